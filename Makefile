@@ -1,0 +1,52 @@
+# Two entry points: `make demo` and `make test`. Both bootstrap .venv from this repo's own files.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check
+# constraints.txt pins torch to the CPU wheel this machine carries; a bare `torch`
+# requirement would otherwise pull the multi-GB CUDA build on a CPU-only machine.
+PIPC   := $(PIP) install -c constraints.txt
+# A strict editable install maps backends/ and connectors/ to kvoffload.backends and
+# kvoffload.connectors as a real tree of links, which is also what mypy checks.
+EDITABLE := --config-settings editable_mode=strict
+
+.PHONY: demo test lint typecheck pytest install dev clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.base: $(PY) pyproject.toml constraints.txt
+	$(PIPC) torch==2.13.0
+	$(PIPC) -e . $(EDITABLE)
+	touch $@
+
+$(VENV)/.dev: $(VENV)/.base tests/plugin_dist/pyproject.toml
+	$(PIPC) -e '.[dev]' $(EDITABLE)
+	$(PIPC) ./tests/plugin_dist
+	touch $@
+
+install: $(VENV)/.base
+
+dev: $(VENV)/.dev
+	@# Refresh the strict-editable link tree so modules added since the last install are seen.
+	@$(PIP) install -q --no-deps --no-build-isolation -e . $(EDITABLE)
+
+demo: install
+	@$(PIP) install -q --no-deps --no-build-isolation -e . $(EDITABLE)
+	$(VENV)/bin/kvoffload stress --config configs/default.yaml
+
+lint: dev
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: dev
+	@# Run from outside the checkout so mypy sees the installed tree, not ./kvoffload.
+	cd build && ../$(VENV)/bin/mypy --config-file ../pyproject.toml -p kvoffload
+
+pytest: dev
+	$(VENV)/bin/pytest
+
+test: lint typecheck pytest
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

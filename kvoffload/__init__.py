@@ -1,0 +1,54 @@
+"""kvoffload: tiered KV-cache offloading (pinned CPU, SSD slab, LMDB) for LLM serving.
+
+The engine-agnostic core. Import what you need from here::
+
+    from kvoffload import load_config, KVLayout, BlockPool, LRUOffloadingManager
+"""
+
+from __future__ import annotations
+
+import pkgutil
+
+# Run from a source checkout (``python -m kvoffload`` in the repo root), ``./kvoffload``
+# shadows the installed package, which is where ``backends/`` and ``connectors/`` are
+# mapped to ``kvoffload.backends`` / ``kvoffload.connectors``. Extending ``__path__``
+# with the installed copy keeps those subpackages importable in that case.
+__path__ = pkgutil.extend_path(__path__, __name__)
+
+from kvoffload.blockpool import BlockPool
+from kvoffload.config import KVOffloadConfig, load_config
+from kvoffload.exceptions import (
+    BackendError,
+    BlockStateError,
+    ConfigError,
+    KVOffloadError,
+    LayoutMismatchError,
+    RegistryError,
+)
+from kvoffload.keys import BlockKey, chain_block_keys, key_from_hash
+from kvoffload.layout import KVLayout
+from kvoffload.lru_manager import LRUOffloadingManager
+from kvoffload.manager import OffloadingEvent, OffloadingManager, PrepareStoreOutput
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackendError",
+    "BlockKey",
+    "BlockPool",
+    "BlockStateError",
+    "ConfigError",
+    "KVLayout",
+    "KVOffloadConfig",
+    "KVOffloadError",
+    "LRUOffloadingManager",
+    "LayoutMismatchError",
+    "OffloadingEvent",
+    "OffloadingManager",
+    "PrepareStoreOutput",
+    "RegistryError",
+    "__version__",
+    "chain_block_keys",
+    "key_from_hash",
+    "load_config",
+]

@@ -1,0 +1,5 @@
+"""``python -m kvoffload``: the same CLI as the ``kvoffload`` command."""
+
+from kvoffload.cli import main
+
+raise SystemExit(main())

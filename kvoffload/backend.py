@@ -1,0 +1,105 @@
+"""The storage interface every tier implements, small and batched.
+
+A backend owns a fixed number of equal-size *slots* and moves whole blocks between
+them and contiguous ``uint8`` buffers of shape ``[n, layout.bytes_per_block]``. It
+knows nothing of keys' order, eviction, pins or readiness: that is the manager's job.
+Subclasses implement :meth:`write` and :meth:`read`; slot allocation, capacity and a
+basic :meth:`check` come from this base class. Runs on the worker side.
+
+Third-party backends subclass :class:`Backend`, set :attr:`Backend.config_model` to a
+subclass of :class:`~kvoffload.config.TierConfig` if they take extra settings, and
+register under the ``kvoffload.backends`` entry-point group. The contract tests in
+:mod:`kvoffload.testing` say what "implements" means.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import ClassVar
+
+import torch
+
+from kvoffload.config import TierConfig
+from kvoffload.exceptions import LayoutMismatchError
+from kvoffload.keys import BlockKey
+from kvoffload.layout import KVLayout
+from kvoffload.slots import SlotAllocator
+
+
+class Backend(ABC):
+    """Fixed-size slots of one tier. Construct with ``(tier_config, layout)``."""
+
+    config_model: ClassVar[type[TierConfig]] = TierConfig
+    """Pydantic model of this backend's tier settings (the shared fields plus its own)."""
+
+    def __init__(self, config: TierConfig, layout: KVLayout) -> None:
+        self.config = config
+        self.layout = layout
+        self.name = config.name
+        num_slots = config.capacity // self.slot_bytes(layout)
+        if num_slots <= 0:
+            raise LayoutMismatchError(
+                f"tier {config.name!r}: capacity {config.capacity} bytes holds no block of "
+                f"{self.slot_bytes(layout)} bytes; raise tiers[].capacity"
+            )
+        self.slots = SlotAllocator(num_slots)
+
+    # -- capacity and slots (shared) ----------------------------------------------
+    @classmethod
+    def slot_bytes(cls, layout: KVLayout) -> int:
+        """Bytes one slot takes in this tier (payload plus any header or padding)."""
+        return layout.bytes_per_block
+
+    @property
+    def num_slots(self) -> int:
+        return self.slots.num_slots
+
+    @property
+    def num_free(self) -> int:
+        return self.slots.num_free
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_slots * self.slot_bytes(self.layout)
+
+    def allocate(self, n: int) -> list[int] | None:
+        """``n`` free slots, or ``None`` when fewer are free."""
+        return self.slots.allocate(n)
+
+    def free(self, slots: Sequence[int]) -> None:
+        """Give slots back; their contents become garbage."""
+        self.slots.free(slots)
+
+    def is_allocated(self, slot: int) -> bool:
+        return self.slots.is_allocated(slot)
+
+    # -- data (per backend) -------------------------------------------------------
+    @abstractmethod
+    def write(self, slots: Sequence[int], keys: Sequence[BlockKey], src: torch.Tensor) -> None:
+        """Write row ``i`` of ``src`` (``uint8 [n, bytes_per_block]``) to ``slots[i]``,
+        recording ``keys[i]``. Raises :class:`~kvoffload.exceptions.BackendError` on
+        I/O failure; the caller then fails the store."""
+
+    @abstractmethod
+    def read(self, slots: Sequence[int], keys: Sequence[BlockKey], dst: torch.Tensor) -> list[bool]:
+        """Read ``slots[i]`` into row ``i`` of ``dst``. Returns per-block validity:
+        ``False`` where the slot does not hold ``keys[i]`` under this layout intact
+        (the row's contents are then undefined and must be treated as a miss)."""
+
+    def check(self) -> list[str]:
+        """Consistency problems found (empty when consistent)."""
+        return self.slots.check()
+
+    def close(self) -> None:  # noqa: B027 - optional hook, most backends hold nothing
+        """Release files and memory; the backend is unusable afterwards."""
+
+    # -- helpers for subclasses ---------------------------------------------------
+    def _check_batch(self, slots: Sequence[int], keys: Sequence[BlockKey], buf: torch.Tensor) -> None:
+        n = len(slots)
+        want = (n, self.layout.bytes_per_block)
+        if len(keys) != n or tuple(buf.shape) != want or buf.dtype != torch.uint8:
+            raise LayoutMismatchError(
+                f"tier {self.name!r}: expected {n} keys and a uint8 buffer of shape {want}, "
+                f"got {len(keys)} keys and {buf.dtype} {tuple(buf.shape)}"
+            )

@@ -1,0 +1,179 @@
+"""The ``kvoffload`` command line.
+
+- ``kvoffload config validate FILE``: exit 0 with one OK line, or 2 with the error;
+- ``kvoffload config schema``: the config's JSON Schema;
+- ``kvoffload backends``: installed backends and where they come from;
+- ``kvoffload stress``: the seeded offload stress run (see :mod:`kvoffload.stress`).
+
+Expected failures (bad config, broken plugin) print one line on stderr and exit 2,
+never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvoffload.config import config_schema, load_config
+from kvoffload.exceptions import KVOffloadError
+
+logger = logging.getLogger("kvoffload")
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvoffload", description="Tiered KV-cache offloading.")
+    p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    cfg = sub.add_parser("config", help="validate a config file or print its schema")
+    cfg_sub = cfg.add_subparsers(dest="config_command", required=True)
+    val = cfg_sub.add_parser("validate", help="check a YAML config; exit 2 if invalid")
+    val.add_argument("file", type=Path)
+    cfg_sub.add_parser("schema", help="print the config's JSON Schema")
+
+    sub.add_parser("backends", help="list installed backends")
+
+    st = sub.add_parser("stress", help="seeded offload stress run, every load verified")
+    st.add_argument("--config", type=Path, default=None, help="YAML config (default: $KVOFFLOAD_CONFIG)")
+    st.add_argument("--ops", type=int, default=None, help="requests to run (config: stress.ops)")
+    st.add_argument("--duration", type=float, default=None, help="wall-time bound in seconds")
+    st.add_argument("--seed", type=int, default=None, help="workload and data seed")
+    st.add_argument("--json", type=Path, default=None, help="write the report as JSON here")
+    st.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    level = {0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG)
+    logging.basicConfig(
+        level=os.environ.get("KVOFFLOAD_LOG_LEVEL", logging.getLevelName(level)),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        if args.command == "config":
+            return _config(args)
+        if args.command == "backends":
+            return _backends()
+        if args.command == "stress":
+            return _stress(args)
+    except KVOffloadError as exc:
+        print(f"kvoffload: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    raise AssertionError(f"unhandled command {args.command}")
+
+
+def _config(args: argparse.Namespace) -> int:
+    if args.config_command == "schema":
+        print(json.dumps(config_schema(), indent=2))
+        return EXIT_OK
+    cfg = load_config(args.file)
+    tiers = " -> ".join(f"{t.name}({t.backend})" for t in cfg.tiers)
+    print(f"OK {args.file}: {len(cfg.tiers)} tier(s) {tiers}, eviction={cfg.eviction}")
+    return EXIT_OK
+
+
+def _backends() -> int:
+    from kvoffload.registry import known_backends
+
+    for name, target in known_backends().items():
+        print(f"{name}\t{target}")
+    return EXIT_OK
+
+
+def _stress(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from kvoffload.stress import StressRunner
+
+    config = load_config(args.config)
+    ops = args.ops if args.ops is not None else config.stress.ops
+    duration = args.duration if args.duration is not None else config.stress.duration_s
+    if ops <= 0 or duration <= 0:
+        raise _usage(f"--ops and --duration must be positive, got {ops} and {duration}")
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=150)  # logs and CI: do not squeeze the table to 80 columns
+    runner = StressRunner(config, seed=args.seed)
+    try:
+        console.print(
+            f"kvoffload stress: {len(runner.tiers)} tier(s), block {runner.layout.bytes_per_block} "
+            f"bytes, up to {ops} requests / {duration:g} s, seed {runner.seed}"
+        )
+        show = not args.no_progress and console.is_terminal
+        with Progress(
+            TextColumn("[progress.description]{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total} requests"),
+            TimeElapsedColumn(),
+            console=console,
+            disable=not show,
+        ) as bar:
+            task = bar.add_task("stress", total=ops)
+            report = runner.run(
+                ops=ops, duration_s=duration, progress=lambda done, _t: bar.update(task, completed=done)
+            )
+    finally:
+        runner.close()
+    _print_report(console, report)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report.to_json(), indent=2) + "\n")
+        console.print(f"report written to {args.json}")
+    return EXIT_FAILED if report.integrity_errors else EXIT_OK
+
+
+def _usage(message: str) -> KVOffloadError:
+    return KVOffloadError(message)
+
+
+def _print_report(console: object, report: object) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvoffload.sizes import format_size
+    from kvoffload.stress import StressReport
+
+    assert isinstance(console, Console) and isinstance(report, StressReport)
+    table = Table(title="kvoffload stress: per tier")
+    for col in ("tier", "backend", "capacity", "hits", "stored", "evicted", "rejected",
+                "corrupt", "written", "read", "write GB/s", "read GB/s"):
+        table.add_column(col, justify="left" if col in ("tier", "backend") else "right")
+    for t in report.tiers:
+        table.add_row(
+            t.name,
+            t.backend,
+            f"{t.capacity_blocks} blk",
+            str(t.hits),
+            str(t.blocks_stored),
+            str(t.evictions),
+            str(t.stores_rejected),
+            str(t.corrupt_blocks),
+            format_size(t.bytes_written),
+            format_size(t.bytes_read),
+            f"{t.write_gbps:.2f}",
+            f"{t.read_gbps:.2f}",
+        )
+    console.print(table)
+    summary = Table(title="kvoffload stress: summary", show_header=False)
+    summary.add_column("metric")
+    summary.add_column("value", justify="right")
+    summary.add_row("requests", str(report.ops))
+    summary.add_row("duration", f"{report.duration_s:.1f} s")
+    summary.add_row("blocks requested", str(report.blocks_requested))
+    summary.add_row("blocks loaded", str(report.blocks_loaded))
+    summary.add_row("blocks stored", str(report.blocks_stored))
+    summary.add_row("hit rate", f"{report.hit_rate:.3f}")
+    summary.add_row("integrity errors", str(report.integrity_errors))
+    console.print(summary)
+    console.print(f"integrity errors: {report.integrity_errors}")

@@ -1,0 +1,396 @@
+"""Validated configuration: YAML file or dict, plus ``KVOFFLOAD_*`` environment overrides.
+
+One pydantic model per section and per tier backend. Unknown keys, zero or negative
+sizes, duplicate tier names and unknown backends are errors. Whatever goes wrong
+surfaces as one :class:`~kvoffload.exceptions.ConfigError` whose one-line message
+names the source (file or environment variable), the field path, the value found and
+what is allowed.
+
+Environment overrides take the field path, upper-cased, with ``__`` between levels and
+list indices as numbers: ``KVOFFLOAD_EVICTION=arc``,
+``KVOFFLOAD_TIERS__0__CAPACITY=2GiB``. Values are parsed as YAML scalars.
+``KVOFFLOAD_CONFIG`` names the file to load when none is given.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Final, Literal, Union
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic.json_schema import WithJsonSchema
+
+from kvoffload.exceptions import ConfigError, RegistryError
+from kvoffload.layout import DTYPE_NAMES
+from kvoffload.sizes import SIZE_HINT, parse_size
+
+ENV_PREFIX: Final = "KVOFFLOAD_"
+ENV_CONFIG_FILE: Final = "KVOFFLOAD_CONFIG"
+_RESERVED_ENV: Final = frozenset({ENV_CONFIG_FILE, "KVOFFLOAD_LOG_LEVEL"})
+
+ByteSize = Annotated[
+    int,
+    BeforeValidator(parse_size),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "integer", "exclusiveMinimum": 0},
+                {"type": "string", "pattern": r"^\s*\d+(\.\d+)?\s*([KMGT]i?B?|B)?\s*$"},
+            ],
+            "description": SIZE_HINT,
+        }
+    ),
+]
+"""A byte count; accepts ints and strings like ``"512MiB"``; validated as positive."""
+
+_MODEL_CONFIG: Final = ConfigDict(
+    extra="forbid", use_attribute_docstrings=True, validate_default=True, frozen=True
+)
+
+
+class TierConfig(BaseModel):
+    """Settings every tier has. Backends with more settings subclass this."""
+
+    model_config = _MODEL_CONFIG
+
+    name: str = Field(default="tier", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+    """Unique tier name, used in logs, metrics and CLI output (letters, digits, ``_.-``)."""
+    backend: str = "cpu"
+    """Registered backend name (entry-point group ``kvoffload.backends``)."""
+    capacity: ByteSize = 1024**3
+    """Bytes of block data this tier may hold, e.g. ``"4GiB"``; slot headers count too."""
+
+
+class CPUTierConfig(TierConfig):
+    """Pinned host memory: one slab allocated once at start-up."""
+
+    backend: Literal["cpu"] = "cpu"
+    """Selects the pinned-CPU backend."""
+    pin_memory: bool | None = None
+    """Page-lock the slab for fast DMA. ``null``: only when CUDA is available."""
+
+
+class PluginTierConfig(TierConfig):
+    """A tier served by a third-party backend; its own model validates extra keys."""
+
+    model_config = ConfigDict(
+        extra="allow", use_attribute_docstrings=True, validate_default=True, frozen=True
+    )
+
+    @model_validator(mode="after")
+    def _check_plugin(self) -> PluginTierConfig:
+        from kvoffload.registry import get_backend_class
+
+        try:
+            cls = get_backend_class(self.backend)
+        except RegistryError as exc:
+            raise ValueError(str(exc)) from None
+        model = cls.config_model
+        if model is not TierConfig and model is not PluginTierConfig:
+            # Validate with the plugin's own model so its typos and bad values are
+            # reported like ours; the validated copy is what the backend receives.
+            try:
+                model.model_validate(self.model_dump())
+            except ValidationError as exc:
+                err = exc.errors()[0]
+                where = ".".join(str(p) for p in err["loc"])
+                raise ValueError(f"{where}: {err['msg']}") from None
+        elif self.model_extra:
+            raise ValueError(
+                f"unknown keys {sorted(self.model_extra)} for backend {self.backend!r}, "
+                "which takes only name, backend and capacity"
+            )
+        return self
+
+
+_BUILTIN_TIERS: Final[dict[str, type[TierConfig]]] = {"cpu": CPUTierConfig}
+
+
+def _tier_tag(value: Any) -> str:
+    backend = value.get("backend") if isinstance(value, dict) else getattr(value, "backend", None)
+    return backend if backend in _BUILTIN_TIERS else "plugin"
+
+
+AnyTierConfig = Annotated[
+    Union[Annotated[CPUTierConfig, Tag("cpu")], Annotated[PluginTierConfig, Tag("plugin")]],  # noqa: UP007
+    Discriminator(_tier_tag),
+]
+
+
+def resolve_tier_config(tier: TierConfig) -> TierConfig:
+    """The tier config as its backend's own model (plugins get their typed model)."""
+    if isinstance(tier, PluginTierConfig):
+        from kvoffload.registry import get_backend_class
+
+        return get_backend_class(tier.backend).config_model.model_validate(tier.model_dump())
+    return tier
+
+
+class LayoutConfig(BaseModel):
+    """The simulated model's KV layout, for ``kvoffload stress`` and ``bench``."""
+
+    model_config = _MODEL_CONFIG
+
+    num_layers: int = Field(default=8, gt=0)
+    """Attention layers."""
+    num_kv_heads: int = Field(default=8, gt=0)
+    """KV heads per layer (after GQA)."""
+    head_dim: int = Field(default=128, gt=0)
+    """Elements per head."""
+    block_size: int = Field(default=16, gt=0)
+    """Tokens per block (vLLM's CPU attention needs multiples of 32)."""
+    dtype: Literal[DTYPE_NAMES] = "bfloat16"  # type: ignore[valid-type]
+    """Element type of the KV cache."""
+
+
+class StressConfig(BaseModel):
+    """Defaults of ``kvoffload stress``; the CLI's flags override them."""
+
+    model_config = _MODEL_CONFIG
+
+    layout: LayoutConfig = LayoutConfig()
+    """Simulated KV layout."""
+    pool_blocks: int = Field(default=256, gt=0)
+    """Blocks in the simulated GPU block pool (one request must fit)."""
+    ops: int = Field(default=2000, gt=0)
+    """Requests to run (``--ops``)."""
+    duration_s: float = Field(default=45.0, gt=0)
+    """Upper bound on the run's wall time in seconds (``--duration``)."""
+    seed: int = 0
+    """Seed of the workload and the data generator (``--seed``)."""
+    prefixes: int = Field(default=48, gt=0)
+    """Distinct shared prefixes (system prompts, documents) requests draw from."""
+    zipf_alpha: float = Field(default=1.1, gt=0)
+    """Skew of prefix popularity: prefix ``k`` is drawn with weight ``1/k**alpha``."""
+    prefix_blocks: int = Field(default=24, gt=0)
+    """Most blocks a shared prefix has; each request reuses a random leading part."""
+    suffix_blocks: int = Field(default=4, ge=0)
+    """Blocks unique to each request, after its shared prefix."""
+
+
+class KVOffloadConfig(BaseModel):
+    """Top-level kvoffload configuration."""
+
+    model_config = _MODEL_CONFIG
+
+    version: Literal[1] = 1
+    """Schema version of this file."""
+    tiers: list[AnyTierConfig] = Field(
+        default_factory=lambda: [CPUTierConfig(name="cpu", capacity=1024**3)], min_length=1
+    )
+    """Ordered tiers, fastest first. Blocks leaving the GPU pool go to the first."""
+    eviction: Literal["lru", "arc"] = "lru"
+    """Eviction policy of every tier's manager."""
+    stress: StressConfig = StressConfig()
+    """Defaults for ``kvoffload stress``."""
+
+    @field_validator("tiers")
+    @classmethod
+    def _unique_names(cls, tiers: list[TierConfig]) -> list[TierConfig]:
+        first: dict[str, int] = {}
+        for i, tier in enumerate(tiers):
+            if tier.name in first:
+                raise ValueError(
+                    f"duplicate tier name {tier.name!r} at tiers[{first[tier.name]}] and "
+                    f"tiers[{i}]; give every tier a unique name"
+                )
+            first[tier.name] = i
+        return tiers
+
+    def resolved_tiers(self) -> list[TierConfig]:
+        """Tiers as their backends' own config models."""
+        return [resolve_tier_config(t) for t in self.tiers]
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_config(
+    source: str | os.PathLike[str] | Mapping[str, Any] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+) -> KVOffloadConfig:
+    """Load, override from the environment and validate a configuration.
+
+    ``source`` is a YAML file path, an already-parsed mapping, or ``None`` for
+    ``$KVOFFLOAD_CONFIG`` (or the defaults when that is unset). ``env`` defaults to
+    ``os.environ``. Raises :class:`ConfigError` with a one-line message.
+    """
+    env = os.environ if env is None else env
+    if source is None and env.get(ENV_CONFIG_FILE):
+        source = env[ENV_CONFIG_FILE]
+    if source is None:
+        label, raw = "<defaults>", {}
+    elif isinstance(source, Mapping):
+        label, raw = "<dict>", copy.deepcopy(dict(source))
+    else:
+        label, raw = str(source), _read_yaml(Path(source))
+    overrides = _apply_env(raw, env, label)
+    try:
+        return KVOffloadConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc, label, overrides)) from None
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config file: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{path}:{where}: invalid YAML: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{path}: the top level must be a mapping of settings (tiers, eviction, ...), "
+            f"got {type(data).__name__}"
+        )
+    return data
+
+
+def _apply_env(raw: dict[str, Any], env: Mapping[str, str], label: str) -> dict[tuple[str, ...], str]:
+    """Apply ``KVOFFLOAD_*`` overrides to ``raw`` in place; return path -> variable name."""
+    applied: dict[tuple[str, ...], str] = {}
+    for var in sorted(env):
+        if not var.startswith(ENV_PREFIX) or var in _RESERVED_ENV:
+            continue
+        parts = var[len(ENV_PREFIX) :].lower().split("__")
+        if not all(parts):
+            raise ConfigError(f"environment {var}: malformed name; use KVOFFLOAD_SECTION__FIELD")
+        try:
+            value = yaml.safe_load(env[var])
+        except yaml.YAMLError:
+            value = env[var]
+        node: Any = raw
+        for depth, part in enumerate(parts[:-1]):
+            nxt = parts[depth + 1]
+            if isinstance(node, list):
+                if not part.isdigit() or int(part) >= len(node):
+                    raise ConfigError(
+                        f"environment {var}: {'.'.join(parts[: depth + 1])} is not an index "
+                        f"of the {len(node)} entries in {label}; use 0..{len(node) - 1}"
+                    )
+                node = node[int(part)]
+            elif isinstance(node, dict):
+                if part not in node or not isinstance(node[part], dict | list):
+                    if part == "tiers":
+                        node[part] = copy.deepcopy(_default_tiers())
+                    else:
+                        node[part] = [] if nxt.isdigit() else {}
+                node = node[part]
+            else:
+                raise ConfigError(f"environment {var}: {'.'.join(parts[:depth])} is not a section")
+        leaf = parts[-1]
+        if isinstance(node, list):
+            if not leaf.isdigit() or int(leaf) >= len(node):
+                raise ConfigError(f"environment {var}: no list entry {leaf!r} in {label}")
+            node[int(leaf)] = value
+        elif isinstance(node, dict):
+            node[leaf] = value
+        else:
+            raise ConfigError(f"environment {var}: the parent field is not a section")
+        applied[tuple(parts)] = var
+    return applied
+
+
+def _default_tiers() -> list[dict[str, Any]]:
+    return [t.model_dump() for t in KVOffloadConfig().tiers]
+
+
+def _allowed_keys(loc: tuple[int | str, ...]) -> list[str] | None:
+    """Field names of the model at ``loc`` (the parent of an unknown key)."""
+    model: type[BaseModel] | None = KVOffloadConfig
+    for part in loc:
+        if model is None:
+            return None
+        if isinstance(part, int):
+            continue
+        if part in _BUILTIN_TIERS:
+            model = _BUILTIN_TIERS[part]
+            continue
+        if part == "plugin":
+            model = PluginTierConfig
+            continue
+        field = model.model_fields.get(part)
+        model = _model_in(field.annotation) if field is not None else None
+    return list(model.model_fields) if model is not None else None
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    if isinstance(annotation, types.UnionType):
+        return None
+    return None
+
+
+def _path(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in _BUILTIN_TIERS or part == "plugin":
+            continue  # discriminator tags are not fields
+        else:
+            out += f".{part}" if out else part
+    return out or "(top level)"
+
+
+def _format_errors(exc: ValidationError, label: str, overrides: Mapping[tuple[str, ...], str]) -> str:
+    messages = []
+    for err in exc.errors():
+        loc = tuple(err["loc"])
+        path = _path(loc)
+        key = tuple(str(p).lower() for p in loc if p not in _BUILTIN_TIERS and p != "plugin")
+        source = f"environment {overrides[key]}" if key in overrides else label
+        msg = re.sub(r"^(Value|Assertion) error, ", "", err["msg"])
+        etype = err["type"]
+        if etype == "extra_forbidden":
+            allowed = _allowed_keys(loc[:-1])
+            hint = f"; allowed keys: {', '.join(allowed)}" if allowed else ""
+            messages.append(f"{source}: {path}: unknown key{hint}")
+        elif etype == "missing":
+            messages.append(f"{source}: {path}: required field is missing")
+        else:
+            messages.append(f"{source}: {path} = {_short(err.get('input'))}: {msg}")
+    first = messages[0]
+    if len(messages) > 1:
+        first += f" (and {len(messages) - 1} more: " + "; ".join(messages[1:]) + ")"
+    return first
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def config_schema() -> dict[str, Any]:
+    """JSON Schema of the configuration file."""
+    return KVOffloadConfig.model_json_schema()

@@ -1,0 +1,155 @@
+"""The concrete :class:`~kvoffload.manager.OffloadingManager`: slots from a
+:class:`~kvoffload.slots.SlotAllocator`, order from a pluggable eviction policy.
+
+Named for its default policy (LRU); ARC is one ``policy="arc"`` away. Per-block state
+is one :class:`~kvoffload.policies.BlockState` in the policy's table, and every
+primitive is O(1) per block (``prepare_store`` also skips pinned blocks it meets).
+Runs on the scheduler side; not thread-safe, as the engine's scheduler is one thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from kvoffload.exceptions import BlockStateError
+from kvoffload.keys import BlockKey
+from kvoffload.manager import OffloadingEvent, OffloadingManager, PrepareStoreOutput
+from kvoffload.policies import BlockState, EvictionPolicy, make_policy
+from kvoffload.slots import SlotAllocator
+
+logger = logging.getLogger(__name__)
+
+
+class LRUOffloadingManager(OffloadingManager):
+    """Bookkeeping for one tier of ``allocator.num_slots`` blocks."""
+
+    def __init__(
+        self,
+        allocator: SlotAllocator,
+        policy: EvictionPolicy | str = "lru",
+        *,
+        name: str = "tier",
+        enable_events: bool = True,
+    ) -> None:
+        self.name = name
+        self.allocator = allocator
+        self.policy = (
+            make_policy(policy, allocator.num_slots) if isinstance(policy, str) else policy
+        )
+        self._events: list[OffloadingEvent] | None = [] if enable_events else None
+
+    # -- introspection ------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        """Blocks this tier can hold."""
+        return self.allocator.num_slots
+
+    def __len__(self) -> int:
+        return len(self.policy)
+
+    def state(self, key: BlockKey) -> BlockState | None:
+        return self.policy.get(key)
+
+    # -- load path ----------------------------------------------------------------
+    def lookup(self, keys: Sequence[BlockKey]) -> int:
+        get = self.policy.get
+        for i, key in enumerate(keys):
+            state = get(key)
+            if state is None or state.ref_cnt < 0:
+                return i
+        return len(keys)
+
+    def prepare_load(self, keys: Sequence[BlockKey]) -> list[int]:
+        states = [self.policy.get(k) for k in keys]
+        for key, state in zip(keys, states, strict=True):
+            if state is None or state.ref_cnt < 0:
+                raise BlockStateError(
+                    f"tier {self.name!r}: prepare_load of {key.hex()} which is not ready"
+                )
+        slots = []
+        for state in states:
+            assert state is not None
+            state.ref_cnt += 1
+            slots.append(state.slot)
+        return slots
+
+    def touch(self, keys: Sequence[BlockKey]) -> None:
+        self.policy.touch(reversed(keys))
+
+    def complete_load(self, keys: Sequence[BlockKey]) -> None:
+        for key in keys:
+            state = self.policy.get(key)
+            if state is None or state.ref_cnt <= 0:
+                raise BlockStateError(
+                    f"tier {self.name!r}: complete_load of {key.hex()} which is not pinned"
+                )
+            state.ref_cnt -= 1
+
+    # -- store path ---------------------------------------------------------------
+    def prepare_store(self, keys: Sequence[BlockKey]) -> PrepareStoreOutput | None:
+        get = self.policy.get
+        # dict.fromkeys: keep call order, drop keys repeated within the call.
+        new = [k for k in dict.fromkeys(keys) if get(k) is None]
+        if not new:
+            return PrepareStoreOutput([], [], [])
+        deficit = len(new) - self.allocator.num_free
+        evicted: list[BlockKey] = []
+        if deficit > 0:
+            victims = self.policy.evict(deficit, protected=set(keys))
+            if victims is None:
+                return None
+            self.allocator.free([state.slot for _, state in victims])
+            evicted = [key for key, _ in victims]
+            self._record(evicted, removed=True)
+        slots = self.allocator.allocate(len(new))
+        # The deficit was made good above, so allocation cannot fail here.
+        assert slots is not None
+        insert = self.policy.insert
+        for key, slot in zip(new, slots, strict=True):
+            insert(key, BlockState(slot, ref_cnt=-1))
+        return PrepareStoreOutput(new, slots, evicted)
+
+    def complete_store(self, keys: Sequence[BlockKey], success: bool = True) -> None:
+        done: list[BlockKey] = []
+        freed: list[int] = []
+        for key in keys:
+            state = self.policy.get(key)
+            # Keys that were already held when prepare_store ran are not ours to finish.
+            if state is None or state.ref_cnt != -1:
+                continue
+            if success:
+                state.ref_cnt = 0
+                done.append(key)
+            else:
+                self.policy.remove(key)
+                freed.append(state.slot)
+        if freed:
+            self.allocator.free(freed)
+        if done:
+            self._record(done, removed=False)
+
+    def take_events(self) -> list[OffloadingEvent]:
+        if self._events is None:
+            return []
+        events, self._events = self._events, []
+        return events
+
+    def _record(self, keys: list[BlockKey], *, removed: bool) -> None:
+        if self._events is not None:
+            self._events.append(OffloadingEvent(tuple(keys), self.name, removed))
+
+    # -- consistency --------------------------------------------------------------
+    def check(self) -> list[str]:
+        """Problems found (empty when consistent): slots unique, allocated, in range."""
+        problems = self.allocator.check()
+        seen: dict[int, BlockKey] = {}
+        for key, state in self.policy.items():
+            if state.slot in seen:
+                problems.append(f"slot {state.slot} held by {seen[state.slot].hex()} and {key.hex()}")
+            seen[state.slot] = key
+            if not self.allocator.is_allocated(state.slot):
+                problems.append(f"{key.hex()} sits in free slot {state.slot}")
+        if len(seen) > self.capacity:
+            problems.append(f"{len(seen)} blocks exceed capacity {self.capacity}")
+        return problems

@@ -1,0 +1,81 @@
+"""The offloading-manager interface: which blocks a tier holds, and in which slots.
+
+Runs on the scheduler side (in vLLM: the engine-core process), one manager per tier.
+It only does bookkeeping; bytes are moved by a :class:`~kvoffload.backend.Backend`.
+Every operation is two-phase with explicit readiness, so a block is never loaded
+while it is being written, nor evicted while it is being read:
+
+- ``lookup(keys)``: how many leading keys are ready to load;
+- ``prepare_load(keys)``: pin them and return their slots;
+- ``touch(keys)``: mark them recently used;
+- ``complete_load(keys)``: unpin them;
+- ``prepare_store(keys)``: pick slots for the keys not yet held, evicting to make
+  room, or return ``None`` when there is no room ("can't" is a value, not an error);
+- ``complete_store(keys, success)``: make them ready, or drop them;
+- ``take_events()``: the stored / removed events since the last call.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvoffload.keys import BlockKey
+
+
+@dataclass(frozen=True, slots=True)
+class PrepareStoreOutput:
+    """What :meth:`OffloadingManager.prepare_store` decided."""
+
+    keys_to_store: list[BlockKey]
+    """Keys the caller must write, in call order (keys already held are left out)."""
+    slots: list[int]
+    """Store spec: the slot for each of ``keys_to_store``."""
+    evicted: list[BlockKey]
+    """Keys evicted to make room; their slots may be among ``slots``."""
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadingEvent:
+    """Blocks that became loadable (``removed=False``) or stopped being so."""
+
+    keys: tuple[BlockKey, ...]
+    tier: str
+    removed: bool
+
+
+class OffloadingManager(ABC):
+    """Bookkeeping of one tier. See the module docstring for the protocol."""
+
+    @abstractmethod
+    def lookup(self, keys: Sequence[BlockKey]) -> int:
+        """Length of the longest prefix of ``keys`` that is ready to load."""
+
+    @abstractmethod
+    def prepare_load(self, keys: Sequence[BlockKey]) -> list[int]:
+        """Pin ready blocks against eviction and return their slots."""
+
+    @abstractmethod
+    def touch(self, keys: Sequence[BlockKey]) -> None:
+        """Mark blocks recently used; ``keys[0]`` ends up the most recent, because a
+        prefix is worth more than the blocks that depend on it."""
+
+    @abstractmethod
+    def complete_load(self, keys: Sequence[BlockKey]) -> None:
+        """Unpin blocks pinned by :meth:`prepare_load`."""
+
+    @abstractmethod
+    def prepare_store(self, keys: Sequence[BlockKey]) -> PrepareStoreOutput | None:
+        """Reserve slots for the keys not yet held; ``None`` if room cannot be made.
+
+        Never evicts pinned blocks, blocks being written, or blocks named in ``keys``.
+        """
+
+    @abstractmethod
+    def complete_store(self, keys: Sequence[BlockKey], success: bool = True) -> None:
+        """Finish stores begun by :meth:`prepare_store`: make ready, or drop and free."""
+
+    @abstractmethod
+    def take_events(self) -> list[OffloadingEvent]:
+        """Drain the stored / removed events recorded since the last call."""

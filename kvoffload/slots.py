@@ -1,0 +1,75 @@
+"""A free list of fixed-size slot indices, shared by every backend.
+
+Slots are plain ints and the free list is one Python list used as a stack, so
+allocating or freeing ``n`` slots is a slice operation, not ``n`` method calls. A
+``bytearray`` of flags catches double frees and backs :meth:`SlotAllocator.check`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from kvoffload.exceptions import BlockStateError
+
+
+class SlotAllocator:
+    """Hands out slot indices ``0 .. num_slots-1``; lowest indices first."""
+
+    __slots__ = ("_free", "_used", "num_slots")
+
+    def __init__(self, num_slots: int, *, used: Iterable[int] = ()) -> None:
+        if num_slots <= 0:
+            raise ValueError(f"num_slots must be positive, got {num_slots}")
+        self.num_slots = num_slots
+        self._used = bytearray(num_slots)  # slot -> 1 while allocated
+        for slot in used:
+            self._used[slot] = 1
+        # Stack with the lowest index on top: adjacent allocations get adjacent slots,
+        # which lets file-backed tiers coalesce them into one large I/O.
+        self._free = [s for s in range(num_slots - 1, -1, -1) if not self._used[s]]
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int] | None:
+        """``n`` free slots, or ``None`` (allocating nothing) if fewer are free."""
+        if n > len(self._free):
+            return None
+        if n <= 0:
+            return []
+        slots = self._free[-n:]
+        del self._free[-n:]
+        slots.reverse()
+        used = self._used
+        for s in slots:
+            used[s] = 1
+        return slots
+
+    def free(self, slots: Sequence[int]) -> None:
+        """Return slots to the free list; freeing a free slot is a bug and raises."""
+        used = self._used
+        for s in slots:
+            if not used[s]:
+                raise BlockStateError(f"slot {s} freed twice")
+            used[s] = 0
+        self._free.extend(reversed(slots))
+
+    def is_allocated(self, slot: int) -> bool:
+        return bool(self._used[slot])
+
+    def check(self) -> list[str]:
+        """Problems found (empty when consistent): every slot is free xor allocated."""
+        problems: list[str] = []
+        free = set(self._free)
+        if len(free) != len(self._free):
+            problems.append("free list holds duplicate slots")
+        for s in free:
+            if self._used[s]:
+                problems.append(f"slot {s} is both free and allocated")
+        allocated = sum(self._used)
+        if allocated + len(free) != self.num_slots:
+            problems.append(
+                f"{allocated} allocated + {len(free)} free != {self.num_slots} slots"
+            )
+        return problems

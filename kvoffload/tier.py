@@ -1,0 +1,42 @@
+"""A tier: one backend (bytes) and the manager that keeps its books.
+
+The two share one :class:`~kvoffload.slots.SlotAllocator`, so a slot the manager hands
+out is exactly a slot the backend has reserved. Built from config by :func:`build_tiers`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvoffload.backend import Backend
+from kvoffload.config import KVOffloadConfig
+from kvoffload.layout import KVLayout
+from kvoffload.lru_manager import LRUOffloadingManager
+from kvoffload.registry import create_backend
+
+
+@dataclass(slots=True)
+class Tier:
+    """A configured tier, in the order the config lists it (fastest first)."""
+
+    name: str
+    backend: Backend
+    manager: LRUOffloadingManager
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+def build_tiers(config: KVOffloadConfig, layout: KVLayout) -> list[Tier]:
+    """Instantiate every configured tier for ``layout``; closes what it opened on error."""
+    tiers: list[Tier] = []
+    try:
+        for tier_config in config.resolved_tiers():
+            backend = create_backend(tier_config, layout)
+            manager = LRUOffloadingManager(backend.slots, config.eviction, name=tier_config.name)
+            tiers.append(Tier(tier_config.name, backend, manager))
+    except BaseException:
+        for tier in tiers:
+            tier.close()
+        raise
+    return tiers
