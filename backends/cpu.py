@@ -33,7 +33,9 @@ class CPUBackend(Backend):
         want_pin = getattr(config, "pin_memory", None)
         pin = torch.cuda.is_available() if want_pin is None else bool(want_pin)
         if pin and not torch.cuda.is_available():
-            logger.warning("tier %s: pin_memory requested but CUDA is absent; not pinning", self.name)
+            logger.warning(
+                "tier %s: pin_memory requested but CUDA is absent; not pinning", self.name
+            )
             pin = False
         self.pinned = pin
         self.slab = torch.empty(

@@ -95,7 +95,9 @@ class Backend(ABC):
         """Release files and memory; the backend is unusable afterwards."""
 
     # -- helpers for subclasses ---------------------------------------------------
-    def _check_batch(self, slots: Sequence[int], keys: Sequence[BlockKey], buf: torch.Tensor) -> None:
+    def _check_batch(
+        self, slots: Sequence[int], keys: Sequence[BlockKey], buf: torch.Tensor
+    ) -> None:
         n = len(slots)
         want = (n, self.layout.bytes_per_block)
         if len(keys) != n or tuple(buf.shape) != want or buf.dtype != torch.uint8:

@@ -61,9 +61,16 @@ class BlockPool:
             self._row_view(v, off, nbytes)
             for v, off, nbytes in zip(views, self.layer_offsets, self.layer_bytes, strict=True)
         ]
+        # Alignment a staging buffer needs for the typed column views above.
+        self._align = max(
+            (r[0].element_size() if r is not None else v.element_size())
+            for r, v in zip(self._rows, views, strict=True)
+        )
 
     @classmethod
-    def allocate(cls, layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu") -> BlockPool:
+    def allocate(
+        cls, layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu"
+    ) -> BlockPool:
         """A pool of ``num_blocks`` in the canonical ``[B, 2, N, H, D]`` per-layer shape."""
         shape = (num_blocks, *layout.layer_block_shape)
         caches = [
@@ -117,11 +124,14 @@ class BlockPool:
         self._check_buffer(out, n)
         if n == 0:
             return out
-        target = out if out.device == self.device else torch.empty_like(out, device=self.device)
+        direct = out.device == self.device and self._aligned(out)
+        # A buffer on another device, or at an odd address (a caller's slice), is
+        # filled through an aligned temporary: one extra copy, only in that case.
+        target = out if direct else torch.empty(out.shape, dtype=torch.uint8, device=self.device)
         index = self._index(block_ids)
         for i, view in enumerate(self._views):
             rows = self._rows[i]
-            if rows is not None and self._aligned(target, rows[1]):
+            if rows is not None:
                 torch.index_select(rows[0], 0, index, out=self._wide_column(target, i, rows[1]))
             else:
                 self._column(target, i).copy_(view.index_select(0, index))
@@ -137,10 +147,12 @@ class BlockPool:
             return
         if src.device != self.device:
             src = src.to(self.device, non_blocking=src.is_pinned())
+        if not self._aligned(src):
+            src = src.clone()
         index = self._index(block_ids)
         for i, view in enumerate(self._views):
             rows = self._rows[i]
-            if rows is not None and self._aligned(src, rows[1]):
+            if rows is not None:
                 rows[0].index_copy_(0, index, self._wide_column(src, i, rows[1]))
             else:
                 view.index_copy_(0, index, self._column(src, i))
@@ -155,21 +167,19 @@ class BlockPool:
             return None  # block not contiguous within the layer (e.g. K and V apart)
         for width, dtype in ((8, torch.int64), (4, torch.int32), (2, torch.int16)):
             aligned = rows.data_ptr() % width == 0 and rows.stride(0) % width == 0
-            if aligned and nbytes % width == 0 and offset % width == 0:
-                if self.bytes_per_block % width == 0:
-                    return rows.view(dtype), dtype
+            sizes = (nbytes, offset, self.bytes_per_block)
+            if aligned and all(size % width == 0 for size in sizes):
+                return rows.view(dtype), dtype
         return rows, torch.uint8
 
     def _wide_column(self, buf: torch.Tensor, layer: int, dtype: torch.dtype) -> torch.Tensor:
         off, nbytes = self.layer_offsets[layer], self.layer_bytes[layer]
         return buf[:, off : off + nbytes].view(dtype)
 
-    @staticmethod
-    def _aligned(buf: torch.Tensor, dtype: torch.dtype) -> bool:
-        """Whether ``buf``'s rows can be viewed as ``dtype`` (a caller's buffer may sit
-        at an odd offset; then the shaped per-layer view is used instead)."""
-        width = torch.empty((), dtype=dtype).element_size()
-        return buf.data_ptr() % width == 0 and buf.stride(0) % width == 0
+    def _aligned(self, buf: torch.Tensor) -> bool:
+        """Whether ``buf``'s columns can be viewed with the pool's column dtypes."""
+        rows_ok = buf.shape[0] <= 1 or buf.stride(0) % self._align == 0
+        return buf.data_ptr() % self._align == 0 and rows_ok
 
     def _column(self, buf: torch.Tensor, layer: int) -> torch.Tensor:
         """Layer ``layer``'s bytes of every row of ``buf``, as ``[n, *layer_shape]``."""

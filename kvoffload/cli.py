@@ -18,9 +18,15 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvoffload.config import config_schema, load_config
 from kvoffload.exceptions import KVOffloadError
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from kvoffload.stress import StressReport
 
 logger = logging.getLogger("kvoffload")
 
@@ -43,7 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("backends", help="list installed backends")
 
     st = sub.add_parser("stress", help="seeded offload stress run, every load verified")
-    st.add_argument("--config", type=Path, default=None, help="YAML config (default: $KVOFFLOAD_CONFIG)")
+    st.add_argument(
+        "--config", type=Path, default=None, help="YAML config (default: $KVOFFLOAD_CONFIG)"
+    )
     st.add_argument("--ops", type=int, default=None, help="requests to run (config: stress.ops)")
     st.add_argument("--duration", type=float, default=None, help="wall-time bound in seconds")
     st.add_argument("--seed", type=int, default=None, help="workload and data seed")
@@ -121,7 +129,9 @@ def _stress(args: argparse.Namespace) -> int:
         ) as bar:
             task = bar.add_task("stress", total=ops)
             report = runner.run(
-                ops=ops, duration_s=duration, progress=lambda done, _t: bar.update(task, completed=done)
+                ops=ops,
+                duration_s=duration,
+                progress=lambda done, _t: bar.update(task, completed=done),
             )
     finally:
         runner.close()
@@ -137,17 +147,26 @@ def _usage(message: str) -> KVOffloadError:
     return KVOffloadError(message)
 
 
-def _print_report(console: object, report: object) -> None:
-    from rich.console import Console
+def _print_report(console: Console, report: StressReport) -> None:
     from rich.table import Table
 
     from kvoffload.sizes import format_size
-    from kvoffload.stress import StressReport
 
-    assert isinstance(console, Console) and isinstance(report, StressReport)
     table = Table(title="kvoffload stress: per tier")
-    for col in ("tier", "backend", "capacity", "hits", "stored", "evicted", "rejected",
-                "corrupt", "written", "read", "write GB/s", "read GB/s"):
+    for col in (
+        "tier",
+        "backend",
+        "capacity",
+        "hits",
+        "stored",
+        "evicted",
+        "rejected",
+        "corrupt",
+        "written",
+        "read",
+        "write GB/s",
+        "read GB/s",
+    ):
         table.add_column(col, justify="left" if col in ("tier", "backend") else "right")
     for t in report.tiers:
         table.add_row(

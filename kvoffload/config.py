@@ -36,6 +36,7 @@ from pydantic import (
     model_validator,
 )
 from pydantic.json_schema import WithJsonSchema
+from pydantic_core import PydanticCustomError
 
 from kvoffload.exceptions import ConfigError, RegistryError
 from kvoffload.layout import DTYPE_NAMES
@@ -52,7 +53,11 @@ ByteSize = Annotated[
         {
             "anyOf": [
                 {"type": "integer", "exclusiveMinimum": 0},
-                {"type": "string", "pattern": r"^\s*\d+(\.\d+)?\s*([KMGT]i?B?|B)?\s*$"},
+                # The units of parse_size, case-insensitively (JSON Schema has no flags).
+                {
+                    "type": "string",
+                    "pattern": r"^\s*\d+(\.\d+)?\s*([KkMmGgTt]([Ii]?[Bb])?|[Bb])?\s*$",
+                },
             ],
             "description": SIZE_HINT,
         }
@@ -101,7 +106,7 @@ class PluginTierConfig(TierConfig):
         try:
             cls = get_backend_class(self.backend)
         except RegistryError as exc:
-            raise ValueError(str(exc)) from None
+            raise _tier_error(("backend",), self.backend, str(exc)) from None
         model = cls.config_model
         if model is not TierConfig and model is not PluginTierConfig:
             # Validate with the plugin's own model so its typos and bad values are
@@ -110,27 +115,53 @@ class PluginTierConfig(TierConfig):
                 model.model_validate(self.model_dump())
             except ValidationError as exc:
                 err = exc.errors()[0]
-                where = ".".join(str(p) for p in err["loc"])
-                raise ValueError(f"{where}: {err['msg']}") from None
+                loc = tuple(err["loc"])
+                allowed = list(model.model_fields) if len(loc) == 1 else None
+                raise _tier_error(loc, err.get("input"), err["msg"], err["type"], allowed) from None
         elif self.model_extra:
-            raise ValueError(
+            key = sorted(self.model_extra)[0]
+            raise _tier_error(
+                (key,),
+                self.model_extra[key],
                 f"unknown keys {sorted(self.model_extra)} for backend {self.backend!r}, "
-                "which takes only name, backend and capacity"
+                "which takes only name, backend and capacity",
             )
         return self
+
+
+def _tier_error(
+    loc: tuple[int | str, ...],
+    value: Any,
+    message: str,
+    kind: str = "value_error",
+    allowed: list[str] | None = None,
+) -> PydanticCustomError:
+    """An error about the field ``loc`` inside a tier; :func:`_format_errors` places it."""
+    ctx = {"message": message, "loc": loc, "value": value, "kind": kind, "allowed": allowed}
+    return PydanticCustomError("tier_field", "{message}", ctx)
 
 
 _BUILTIN_TIERS: Final[dict[str, type[TierConfig]]] = {"cpu": CPUTierConfig}
 
 
-def _tier_tag(value: Any) -> str:
-    backend = value.get("backend") if isinstance(value, dict) else getattr(value, "backend", None)
-    return backend if backend in _BUILTIN_TIERS else "plugin"
+def _tier_tag(value: Any) -> str | None:
+    if isinstance(value, dict):
+        # A tier without ``backend`` gets the default one, so validate it as that.
+        backend = value.get("backend", TierConfig.model_fields["backend"].default)
+    elif isinstance(value, TierConfig):
+        backend = value.backend
+    else:
+        return None  # not a mapping: reported with the custom error below
+    return backend if isinstance(backend, str) and backend in _BUILTIN_TIERS else "plugin"
 
 
 AnyTierConfig = Annotated[
     Union[Annotated[CPUTierConfig, Tag("cpu")], Annotated[PluginTierConfig, Tag("plugin")]],  # noqa: UP007
-    Discriminator(_tier_tag),
+    Discriminator(
+        _tier_tag,
+        custom_error_type="tier_type",
+        custom_error_message="a tier must be a mapping of settings (name, backend, capacity, ...)",
+    ),
 ]
 
 
@@ -185,6 +216,10 @@ class StressConfig(BaseModel):
     """Blocks unique to each request, after its shared prefix."""
 
 
+def _default_tier_list() -> list[CPUTierConfig | PluginTierConfig]:
+    return [CPUTierConfig(name="cpu", capacity=1024**3)]
+
+
 class KVOffloadConfig(BaseModel):
     """Top-level kvoffload configuration."""
 
@@ -192,9 +227,7 @@ class KVOffloadConfig(BaseModel):
 
     version: Literal[1] = 1
     """Schema version of this file."""
-    tiers: list[AnyTierConfig] = Field(
-        default_factory=lambda: [CPUTierConfig(name="cpu", capacity=1024**3)], min_length=1
-    )
+    tiers: list[AnyTierConfig] = Field(default_factory=lambda: _default_tier_list(), min_length=1)
     """Ordered tiers, fastest first. Blocks leaving the GPU pool go to the first."""
     eviction: Literal["lru", "arc"] = "lru"
     """Eviction policy of every tier's manager."""
@@ -249,13 +282,36 @@ def load_config(
         raise ConfigError(_format_errors(exc, label, overrides)) from None
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping, which plain
+    YAML loading resolves silently in favour of the last one."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"key {key!r} appears twice; give each key once",
+                    key_node.start_mark,
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config file: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{path}: not UTF-8 text: byte {exc.start} is {exc.object[exc.start]:#04x}"
+        ) from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_StrictLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -271,7 +327,9 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
-def _apply_env(raw: dict[str, Any], env: Mapping[str, str], label: str) -> dict[tuple[str, ...], str]:
+def _apply_env(
+    raw: dict[str, Any], env: Mapping[str, str], label: str
+) -> dict[tuple[str, ...], str]:
     """Apply ``KVOFFLOAD_*`` overrides to ``raw`` in place; return path -> variable name."""
     applied: dict[tuple[str, ...], str] = {}
     for var in sorted(env):
@@ -363,27 +421,36 @@ def _path(loc: tuple[int | str, ...]) -> str:
     return out or "(top level)"
 
 
-def _format_errors(exc: ValidationError, label: str, overrides: Mapping[tuple[str, ...], str]) -> str:
+def _format_errors(
+    exc: ValidationError, label: str, overrides: Mapping[tuple[str, ...], str]
+) -> str:
     messages = []
     for err in exc.errors():
         loc = tuple(err["loc"])
+        msg = re.sub(r"^(Value|Assertion) error, ", "", err["msg"])
+        etype, value = err["type"], err.get("input")
+        allowed = None
+        if etype == "tier_field":  # raised inside a tier about one of its fields
+            ctx = err.get("ctx") or {}
+            loc += tuple(ctx["loc"])
+            etype, value, msg, allowed = ctx["kind"], ctx["value"], ctx["message"], ctx["allowed"]
         path = _path(loc)
         key = tuple(str(p).lower() for p in loc if p not in _BUILTIN_TIERS and p != "plugin")
-        source = f"environment {overrides[key]}" if key in overrides else label
-        msg = re.sub(r"^(Value|Assertion) error, ", "", err["msg"])
-        etype = err["type"]
+        # The variable that set this field or a section around it (KVOFFLOAD_TIERS=[...]).
+        owner = next((key[:n] for n in range(len(key), 0, -1) if key[:n] in overrides), None)
+        source = f"environment {overrides[owner]}" if owner is not None else label
         if etype == "extra_forbidden":
-            allowed = _allowed_keys(loc[:-1])
+            allowed = allowed or _allowed_keys(loc[:-1])
             hint = f"; allowed keys: {', '.join(allowed)}" if allowed else ""
             messages.append(f"{source}: {path}: unknown key{hint}")
         elif etype == "missing":
             messages.append(f"{source}: {path}: required field is missing")
         else:
-            messages.append(f"{source}: {path} = {_short(err.get('input'))}: {msg}")
+            messages.append(f"{source}: {path} = {_short(value)}: {msg}")
     first = messages[0]
     if len(messages) > 1:
         first += f" (and {len(messages) - 1} more: " + "; ".join(messages[1:]) + ")"
-    return first
+    return " ".join(first.split("\n"))  # plugins' messages may span lines; ours must not
 
 
 def _short(value: Any) -> str:

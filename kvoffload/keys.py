@@ -9,10 +9,9 @@ hashes instead (vLLM's ``request.block_hashes``), through :func:`key_from_hash`.
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Iterable, Sequence
 from typing import Final, NewType
-
-import struct
 
 BlockKey = NewType("BlockKey", bytes)
 """Opaque identity of one block of KV: a prefix hash, at most :data:`MAX_KEY_BYTES` long."""

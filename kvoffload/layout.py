@@ -10,36 +10,42 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-_DTYPES: Final[dict[str, torch.dtype]] = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
+# dtype name -> bytes per element. Kept free of torch so that importing the config
+# (``kvoffload config validate``) does not import torch; the names are torch's.
+ITEMSIZE: Final[dict[str, int]] = {
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
 }
-DTYPE_NAMES: Final = tuple(_DTYPES)
+DTYPE_NAMES: Final = tuple(ITEMSIZE)
 
 
 def dtype_from_name(name: str) -> torch.dtype:
     """Map a config dtype name to torch; ``ValueError`` lists the accepted names."""
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; allowed: {', '.join(DTYPE_NAMES)}") from None
+    if name not in ITEMSIZE:
+        raise ValueError(f"unknown dtype {name!r}; allowed: {', '.join(DTYPE_NAMES)}")
+    import torch
+
+    dtype = getattr(torch, name)
+    assert isinstance(dtype, torch.dtype)
+    return dtype
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     """Inverse of :func:`dtype_from_name`."""
-    for name, value in _DTYPES.items():
-        if value == dtype:
-            return name
-    raise ValueError(f"unsupported dtype {dtype}; allowed: {', '.join(DTYPE_NAMES)}")
+    name = str(dtype).removeprefix("torch.")
+    if name not in ITEMSIZE:
+        raise ValueError(f"unsupported dtype {dtype}; allowed: {', '.join(DTYPE_NAMES)}")
+    return name
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +71,8 @@ class KVLayout:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"KVLayout.{name} must be a positive integer, got {value!r}")
-        dtype_from_name(self.dtype)
+        if self.dtype not in ITEMSIZE:
+            raise ValueError(f"unknown dtype {self.dtype!r}; allowed: {', '.join(DTYPE_NAMES)}")
         canonical = json.dumps(
             {k: v for k, v in asdict(self).items() if k != "_fp"}, sort_keys=True
         ).encode()
@@ -79,7 +86,7 @@ class KVLayout:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.torch_dtype).element_size()
+        return ITEMSIZE[self.dtype]
 
     @property
     def layer_block_shape(self) -> tuple[int, int, int, int]:
@@ -103,4 +110,3 @@ class KVLayout:
 
     def to_dict(self) -> dict[str, object]:
         return {k: v for k, v in asdict(self).items() if k != "_fp"}
-

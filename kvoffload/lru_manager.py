@@ -146,7 +146,9 @@ class LRUOffloadingManager(OffloadingManager):
         seen: dict[int, BlockKey] = {}
         for key, state in self.policy.items():
             if state.slot in seen:
-                problems.append(f"slot {state.slot} held by {seen[state.slot].hex()} and {key.hex()}")
+                problems.append(
+                    f"slot {state.slot} held by {seen[state.slot].hex()} and {key.hex()}"
+                )
             seen[state.slot] = key
             if not self.allocator.is_allocated(state.slot):
                 problems.append(f"{key.hex()} sits in free slot {state.slot}")

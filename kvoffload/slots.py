@@ -69,7 +69,5 @@ class SlotAllocator:
                 problems.append(f"slot {s} is both free and allocated")
         allocated = sum(self._used)
         if allocated + len(free) != self.num_slots:
-            problems.append(
-                f"{allocated} allocated + {len(free)} free != {self.num_slots} slots"
-            )
+            problems.append(f"{allocated} allocated + {len(free)} free != {self.num_slots} slots")
         return problems

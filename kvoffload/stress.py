@@ -214,8 +214,7 @@ class StressRunner:
             layout=self.layout.to_dict(),
             bytes_per_block=self.layout.bytes_per_block,
             tiers=[
-                TierReport(t.name, t.backend.config.backend, t.manager.capacity)
-                for t in self.tiers
+                TierReport(t.name, t.backend.config.backend, t.manager.capacity) for t in self.tiers
             ],
         )
 
@@ -223,7 +222,9 @@ class StressRunner:
         for tier in self.tiers:
             tier.close()
 
-    def run(self, *, ops: int, duration_s: float, progress: ProgressFn | None = None) -> StressReport:
+    def run(
+        self, *, ops: int, duration_s: float, progress: ProgressFn | None = None
+    ) -> StressReport:
         start = time.perf_counter()
         deadline = start + duration_s
         rep = self.report

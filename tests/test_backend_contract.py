@@ -1,0 +1,25 @@
+"""The shipped backend contract, run over every backend installed in this venv.
+
+That includes the built-in ``cpu`` backend and ``memdict`` from the test distribution
+in tests/plugin_dist, which ``make test`` installs like any third-party package.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvoffload.registry import known_backends
+from kvoffload.testing import BackendContract, BackendFactory, make_backend
+
+
+def test_the_expected_backends_are_installed() -> None:
+    assert {"cpu", "memdict"} <= set(known_backends())
+
+
+class TestEveryInstalledBackend(BackendContract):
+    @pytest.fixture(params=sorted(known_backends()))
+    def backend_factory(self, request: pytest.FixtureRequest, tmp_path: Path) -> BackendFactory:
+        name = request.param
+        return lambda layout, num_slots: make_backend(name, layout, num_slots, tmp_path)

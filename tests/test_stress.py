@@ -1,0 +1,196 @@
+"""``kvoffload stress``: short real runs, every loaded block verified bit for bit."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kvoffload.backends.cpu import CPUBackend
+
+from kvoffload.config import load_config
+from kvoffload.stress import StressRunner
+
+REPO = Path(__file__).resolve().parents[1]
+KVOFFLOAD = Path(sys.executable).parent / "kvoffload"
+
+SMALL_STRESS: dict[str, Any] = {
+    "layout": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 32, "block_size": 16},
+    "pool_blocks": 16,
+    "prefixes": 12,
+    "prefix_blocks": 8,
+    "suffix_blocks": 2,
+}
+BLOCK = 2 * 2 * 16 * 2 * 32 * 2  # 8 KiB
+
+
+def _config(tiers: list[dict[str, Any]], eviction: str = "lru") -> dict[str, Any]:
+    return {"tiers": tiers, "eviction": eviction, "stress": SMALL_STRESS}
+
+
+def _run(raw: dict[str, Any], ops: int = 300, seed: int = 0) -> Any:
+    runner = StressRunner(load_config(raw), seed=seed)
+    try:
+        return runner.run(ops=ops, duration_s=60)
+    finally:
+        runner.close()
+
+
+@pytest.mark.parametrize("eviction", ["lru", "arc"])
+def test_single_tier_run_is_clean_and_hits(eviction: str) -> None:
+    # 40 blocks of room for a working set of ~100 prefix blocks: it must evict.
+    rep = _run(_config([{"name": "cpu", "backend": "cpu", "capacity": 40 * BLOCK}], eviction))
+    assert rep.ops == 300
+    assert rep.integrity_errors == 0
+    assert 0.1 < rep.hit_rate < 1.0
+    (tier,) = rep.tiers
+    assert tier.hits == rep.blocks_loaded > 0
+    assert tier.evictions > 0
+    assert tier.bytes_written == tier.blocks_stored * BLOCK
+    assert tier.bytes_read == tier.hits * BLOCK
+
+
+def test_second_tier_serves_what_the_first_evicted() -> None:
+    rep = _run(
+        _config(
+            [
+                {"name": "small", "backend": "cpu", "capacity": 12 * BLOCK},
+                {"name": "big", "backend": "cpu", "capacity": 1000 * BLOCK},
+            ]
+        )
+    )
+    small, big = rep.tiers
+    assert rep.integrity_errors == 0
+    assert small.hits > 0
+    assert big.hits > 0
+    assert big.evictions == 0
+    assert small.evictions > 0
+    # the big tier holds every block of the run (96 prefix + 600 suffix blocks)
+    assert big.hits > small.hits
+
+
+def test_plugin_backend_runs_under_stress() -> None:
+    rep = _run(_config([{"name": "d", "backend": "memdict", "capacity": 30 * BLOCK}]), ops=100)
+    assert rep.integrity_errors == 0
+    assert rep.blocks_loaded > 0
+
+
+def test_same_seed_same_run_other_seed_other_run() -> None:
+    tiers = [{"name": "cpu", "backend": "cpu", "capacity": 40 * BLOCK}]
+    a, b = _run(_config(tiers), ops=120, seed=5), _run(_config(tiers), ops=120, seed=5)
+    c = _run(_config(tiers), ops=120, seed=6)
+    assert (a.blocks_loaded, a.blocks_requested) == (b.blocks_loaded, b.blocks_requested)
+    assert (a.blocks_loaded, a.blocks_requested) != (c.blocks_loaded, c.blocks_requested)
+
+
+def test_corrupted_tier_memory_is_caught() -> None:
+    """The verification is real: flipping bytes in the tier's slab shows up as errors."""
+    runner = StressRunner(
+        load_config(_config([{"name": "cpu", "backend": "cpu", "capacity": 200 * BLOCK}]))
+    )
+    try:
+        runner.run(ops=100, duration_s=60)
+        assert runner.report.integrity_errors == 0
+        backend = runner.tiers[0].backend
+        assert isinstance(backend, CPUBackend)
+        backend.slab[:, 100] ^= 0xFF  # one byte of every slot
+        runner.run(ops=200, duration_s=60)
+        assert runner.report.integrity_errors > 0
+    finally:
+        runner.close()
+
+
+def test_pool_too_small_for_a_request_is_a_config_error() -> None:
+    raw = _config([{"name": "cpu", "backend": "cpu", "capacity": 40 * BLOCK}])
+    raw["stress"] = {**SMALL_STRESS, "pool_blocks": 5}
+    with pytest.raises(ValueError, match=r"stress.pool_blocks = 5.*pool_blocks >= 10"):
+        StressRunner(load_config(raw))
+
+
+def test_cli_stress_json_report(tmp_path: Path) -> None:
+    cfg = tmp_path / "s.yaml"
+    cfg.write_text(
+        yaml.safe_dump(_config([{"name": "cpu", "backend": "cpu", "capacity": "320KiB"}]))
+    )
+    out = tmp_path / "report.json"
+    proc = subprocess.run(
+        [
+            str(KVOFFLOAD),
+            "stress",
+            "--config",
+            str(cfg),
+            "--ops",
+            "80",
+            "--seed",
+            "3",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "integrity errors: 0" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["integrity_errors"] == 0
+    assert report["ops"] == 80
+    assert report["seed"] == 3
+    for key in ("blocks_stored", "blocks_loaded", "hit_rate"):
+        assert key in report
+    assert report["blocks_loaded"] > 0
+    assert 0 < report["hit_rate"] < 1
+    (tier,) = report["tiers"]
+    assert tier["name"] == "cpu"
+    assert tier["backend"] == "cpu"
+    assert tier["hits"] == report["blocks_loaded"]
+    assert tier["bytes_written"] > 0
+    assert tier["bytes_read"] > 0
+
+
+def test_cli_stress_duration_bounds_the_run(tmp_path: Path) -> None:
+    cfg = tmp_path / "s.yaml"
+    cfg.write_text(yaml.safe_dump(_config([{"name": "cpu", "backend": "cpu", "capacity": "1MiB"}])))
+    out = tmp_path / "r.json"
+    proc = subprocess.run(
+        [
+            str(KVOFFLOAD),
+            "stress",
+            "--config",
+            str(cfg),
+            "--ops",
+            "100000000",
+            "--duration",
+            "1",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert 0 < report["ops"] < 100000000
+    assert report["duration_s"] < 5
+
+
+def test_cli_stress_with_bad_config_exits_2_without_traceback(tmp_path: Path) -> None:
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("tiers:\n  - name: cpu\n    backend: cpu\n    capacity: -1GiB\n")
+    proc = subprocess.run(
+        [str(KVOFFLOAD), "stress", "--config", str(cfg)], capture_output=True, text=True
+    )
+    assert proc.returncode == 2
+    assert "tiers[0].capacity" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_default_config_is_valid() -> None:
+    cfg = load_config(REPO / "configs" / "default.yaml")
+    assert [t.backend for t in cfg.tiers] == ["cpu"]
