@@ -55,7 +55,7 @@ class CPUBackend(Backend):
         )
 
     def write(self, slots: Sequence[int], keys: Sequence[BlockKey], src: torch.Tensor) -> None:
-        self._check_batch(slots, keys, src)
+        self.check_batch(slots, keys, src)
         if not slots:
             return
         index = torch.tensor(slots, dtype=torch.int64)
@@ -68,7 +68,7 @@ class CPUBackend(Backend):
             self.slab.index_copy_(0, index, src)
 
     def read(self, slots: Sequence[int], keys: Sequence[BlockKey], dst: torch.Tensor) -> list[bool]:
-        self._check_batch(slots, keys, dst)
+        self.check_batch(slots, keys, dst)
         if not slots:
             return []
         index = torch.tensor(slots, dtype=torch.int64)

@@ -1,4 +1,4 @@
-"""kvoffload: tiered KV-cache offloading (pinned CPU, SSD slab, LMDB) for LLM serving.
+"""kvoffload: tiered KV-cache offloading for LLM serving engines.
 
 The engine-agnostic core. Import what you need from here::
 

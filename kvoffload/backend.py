@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import ClassVar, final
 
 import torch
 
 from kvoffload.config import TierConfig
-from kvoffload.exceptions import LayoutMismatchError
+from kvoffload.exceptions import ConfigError, LayoutMismatchError
 from kvoffload.keys import BlockKey
 from kvoffload.layout import KVLayout
 from kvoffload.slots import SlotAllocator
@@ -39,9 +39,9 @@ class Backend(ABC):
         self.name = config.name
         num_slots = config.capacity // self.slot_bytes(layout)
         if num_slots <= 0:
-            raise LayoutMismatchError(
-                f"tier {config.name!r}: capacity {config.capacity} bytes holds no block of "
-                f"{self.slot_bytes(layout)} bytes; raise tiers[].capacity"
+            raise ConfigError(
+                f"tier {config.name!r}: capacity = {config.capacity} bytes holds no block of "
+                f"{self.slot_bytes(layout)} bytes; raise tiers[].capacity to at least that"
             )
         self.slots = SlotAllocator(num_slots)
 
@@ -63,14 +63,21 @@ class Backend(ABC):
     def capacity_bytes(self) -> int:
         return self.num_slots * self.slot_bytes(self.layout)
 
+    @final
     def allocate(self, n: int) -> list[int] | None:
-        """``n`` free slots, or ``None`` when fewer are free."""
+        """``n`` free slots, or ``None`` when fewer are free.
+
+        Final: the tier's manager allocates through the same :attr:`slots` object, so an
+        override here would be bypassed; a backend that needs to know when a slot is
+        reused learns it from :meth:`write`."""
         return self.slots.allocate(n)
 
+    @final
     def free(self, slots: Sequence[int]) -> None:
         """Give slots back; their contents become garbage."""
         self.slots.free(slots)
 
+    @final
     def is_allocated(self, slot: int) -> bool:
         return self.slots.is_allocated(slot)
 
@@ -95,9 +102,12 @@ class Backend(ABC):
         """Release files and memory; the backend is unusable afterwards."""
 
     # -- helpers for subclasses ---------------------------------------------------
-    def _check_batch(
+    def check_batch(
         self, slots: Sequence[int], keys: Sequence[BlockKey], buf: torch.Tensor
     ) -> None:
+        """Raise :class:`~kvoffload.exceptions.LayoutMismatchError` unless ``buf`` is a
+        ``uint8 [len(slots), bytes_per_block]`` batch with one key per slot. Call it
+        first in ``write`` and ``read``: the contract tests require the rejection."""
         n = len(slots)
         want = (n, self.layout.bytes_per_block)
         if len(keys) != n or tuple(buf.shape) != want or buf.dtype != torch.uint8:

@@ -136,7 +136,9 @@ class BlockPool:
             else:
                 self._column(target, i).copy_(view.index_select(0, index))
         if target is not out:
-            out.copy_(target, non_blocking=out.is_pinned())
+            # Blocking: the caller reads ``out`` as soon as this returns. The transfer
+            # worker overlaps copies with its own streams and events instead.
+            out.copy_(target)
         return out
 
     def scatter(self, block_ids: Sequence[int], src: torch.Tensor) -> None:

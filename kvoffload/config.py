@@ -96,7 +96,11 @@ class PluginTierConfig(TierConfig):
     """A tier served by a third-party backend; its own model validates extra keys."""
 
     model_config = ConfigDict(
-        extra="allow", use_attribute_docstrings=True, validate_default=True, frozen=True
+        extra="allow",
+        use_attribute_docstrings=True,
+        validate_default=True,
+        frozen=True,
+        json_schema_extra=lambda schema: _exclude_builtins(schema),
     )
 
     @model_validator(mode="after")
@@ -144,6 +148,13 @@ def _tier_error(
 _BUILTIN_TIERS: Final[dict[str, type[TierConfig]]] = {"cpu": CPUTierConfig}
 
 
+def _exclude_builtins(schema: dict[str, Any]) -> None:
+    """In the JSON Schema, a plugin tier is one whose backend is not built in, so each
+    tier matches exactly one branch of ``oneOf``."""
+    backend = schema["properties"]["backend"]
+    backend["not"] = {"enum": sorted(_BUILTIN_TIERS)}
+
+
 def _tier_tag(value: Any) -> str | None:
     if isinstance(value, dict):
         # A tier without ``backend`` gets the default one, so validate it as that.
@@ -175,7 +186,7 @@ def resolve_tier_config(tier: TierConfig) -> TierConfig:
 
 
 class LayoutConfig(BaseModel):
-    """The simulated model's KV layout, for ``kvoffload stress`` and ``bench``."""
+    """The simulated model's KV layout, for ``kvoffload stress``."""
 
     model_config = _MODEL_CONFIG
 
@@ -215,6 +226,16 @@ class StressConfig(BaseModel):
     suffix_blocks: int = Field(default=4, ge=0)
     """Blocks unique to each request, after its shared prefix."""
 
+    @model_validator(mode="after")
+    def _pool_fits_a_request(self) -> StressConfig:
+        need = self.prefix_blocks + self.suffix_blocks
+        if self.pool_blocks < need:
+            raise ValueError(
+                f"pool_blocks = {self.pool_blocks} cannot hold one request of up to {need} "
+                f"blocks (prefix_blocks + suffix_blocks); set pool_blocks >= {need}"
+            )
+        return self
+
 
 def _default_tier_list() -> list[CPUTierConfig | PluginTierConfig]:
     return [CPUTierConfig(name="cpu", capacity=1024**3)]
@@ -228,7 +249,8 @@ class KVOffloadConfig(BaseModel):
     version: Literal[1] = 1
     """Schema version of this file."""
     tiers: list[AnyTierConfig] = Field(default_factory=lambda: _default_tier_list(), min_length=1)
-    """Ordered tiers, fastest first. Blocks leaving the GPU pool go to the first."""
+    """Ordered tiers, fastest first (cpu, then disk). Loads use the tier holding the
+    longest prefix."""
     eviction: Literal["lru", "arc"] = "lru"
     """Eviction policy of every tier's manager."""
     stress: StressConfig = StressConfig()
@@ -353,6 +375,12 @@ def _apply_env(
                     )
                 node = node[int(part)]
             elif isinstance(node, dict):
+                existing = node.get(part)
+                if existing is not None and not isinstance(existing, dict | list):
+                    raise ConfigError(
+                        f"environment {var}: {'.'.join(parts[: depth + 1])} is a value, not a "
+                        f"section; set KVOFFLOAD_{'__'.join(parts[: depth + 1]).upper()} instead"
+                    )
                 if part not in node or not isinstance(node[part], dict | list):
                     if part == "tiers":
                         node[part] = copy.deepcopy(_default_tiers())

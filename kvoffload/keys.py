@@ -24,7 +24,8 @@ ROOT_KEY: Final = BlockKey(hashlib.blake2b(b"kvoffload-root-v1", digest_size=KEY
 """Parent of the first block of every sequence."""
 
 
-def _digest(parent: bytes, payload: bytes) -> BlockKey:
+def chain_key(parent: bytes, payload: bytes) -> BlockKey:
+    """The key of a block whose content is ``payload`` and whose prefix is ``parent``."""
     h = hashlib.blake2b(parent, digest_size=KEY_BYTES)
     h.update(payload)
     return BlockKey(h.digest())
@@ -53,7 +54,7 @@ def chain_block_keys(
         payload = struct.pack(f"<{block_size}q", *block)
         if salt and start == 0:
             payload = salt + b"\x00" + payload
-        prev = _digest(prev, payload)
+        prev = chain_key(prev, payload)
         keys.append(prev)
     return keys
 
@@ -70,4 +71,4 @@ def key_from_hash(block_hash: bytes | int) -> BlockKey:
 def namespaced(key: bytes, namespace: bytes) -> BlockKey:
     """Key ``key`` under ``namespace`` (layout fingerprint, TP rank), so tiers shared by
     several models or ranks never hand one the other's blocks."""
-    return _digest(namespace, key)
+    return chain_key(namespace, key)

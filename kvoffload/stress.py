@@ -24,8 +24,8 @@ import torch
 
 from kvoffload.blockpool import BlockPool
 from kvoffload.config import KVOffloadConfig, StressConfig
-from kvoffload.exceptions import BackendError
-from kvoffload.keys import BlockKey, namespaced
+from kvoffload.exceptions import BackendError, BlockStateError
+from kvoffload.keys import ROOT_KEY, BlockKey, chain_key
 from kvoffload.layout import KVLayout
 from kvoffload.tier import Tier, build_tiers
 
@@ -82,10 +82,10 @@ class ZipfPrefixWorkload:
     def _chain(self, prefix: int) -> list[BlockKey]:
         chain = self._chains.get(prefix)
         if chain is None:
-            parent = namespaced(b"prefix", prefix.to_bytes(8, "little"))
+            parent = chain_key(ROOT_KEY, b"prefix-%d" % prefix)
             chain = []
             for i in range(self.cfg.prefix_blocks):
-                parent = namespaced(parent, i.to_bytes(4, "little"))
+                parent = chain_key(parent, i.to_bytes(4, "little"))
                 chain.append(parent)
             self._chains[prefix] = chain
         return chain
@@ -97,7 +97,7 @@ class ZipfPrefixWorkload:
         parent = keys[-1]
         self._count += 1
         for i in range(self.cfg.suffix_blocks):
-            parent = namespaced(parent, b"req%d:%d" % (self._count, i))
+            parent = chain_key(parent, b"req%d:%d" % (self._count, i))
             keys.append(parent)
         return keys
 
@@ -194,14 +194,6 @@ class StressRunner:
         self.seed = self.cfg.seed if seed is None else seed
         self.layout = layout_from_config(config)
         self.workload = ZipfPrefixWorkload(self.cfg, self.seed)
-        if self.cfg.pool_blocks < self.workload.max_blocks:
-            from kvoffload.exceptions import ConfigError
-
-            raise ConfigError(
-                f"stress.pool_blocks = {self.cfg.pool_blocks}: a request can span "
-                f"{self.workload.max_blocks} blocks (prefix_blocks + suffix_blocks); "
-                f"set pool_blocks >= {self.workload.max_blocks}"
-            )
         self.pool = BlockPool.allocate(self.layout, self.cfg.pool_blocks)
         self.gen = BlockDataGenerator(self.layout.bytes_per_block, self.seed)
         self.tiers: list[Tier] = build_tiers(config, self.layout)
@@ -237,7 +229,7 @@ class StressRunner:
         for tier in self.tiers:
             problems = tier.manager.check() + tier.backend.check()
             if problems:
-                raise AssertionError(f"tier {tier.name} inconsistent after stress: {problems}")
+                raise BlockStateError(f"tier {tier.name} inconsistent after stress: {problems}")
         return rep
 
     # One simulated request: load the longest held prefix, compute the rest, store all.

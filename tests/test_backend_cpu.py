@@ -9,7 +9,7 @@ import torch
 from kvoffload.backends.cpu import CPUBackend
 
 from kvoffload.config import CPUTierConfig
-from kvoffload.exceptions import LayoutMismatchError
+from kvoffload.exceptions import ConfigError
 from kvoffload.layout import KVLayout
 from kvoffload.testing import BackendContract, BackendFactory, make_backend
 
@@ -45,5 +45,5 @@ def test_pin_memory_without_cuda_falls_back_with_a_warning(
 
 def test_capacity_below_one_block_is_refused() -> None:
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, block_size=2)
-    with pytest.raises(LayoutMismatchError, match=r"tier 'c'.*capacity.*holds no block"):
+    with pytest.raises(ConfigError, match=r"tier .c.: capacity = .* holds no block"):
         CPUBackend(CPUTierConfig(name="c", capacity=layout.bytes_per_block - 1), layout)

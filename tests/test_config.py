@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from kvoffload import registry
 from kvoffload.config import KVOffloadConfig, config_schema, load_config
@@ -573,3 +574,16 @@ def test_duplicate_yaml_key_is_an_error(tmp_path: Path) -> None:
     assert "line 5" in msg
     assert "'capacity' appears twice" in msg
     assert "\n" not in msg
+
+
+def test_every_shipped_config_validates_against_the_exported_schema() -> None:
+    """The schema is exact: each tier matches one ``oneOf`` branch, and bad input fails."""
+    import jsonschema
+
+    schema = config_schema()
+    for path in sorted((REPO / "configs").glob("*.yaml")):
+        jsonschema.validate(yaml.safe_load(path.read_text()), schema)
+    plugin = {"tiers": [{"name": "d", "backend": "memdict", "capacity": "1MiB", "copies": 2}]}
+    jsonschema.validate(plugin, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"tiers": [{"name": "c", "backend": "cpu", "capcity": 5}]}, schema)

@@ -13,6 +13,7 @@ import yaml
 from kvoffload.backends.cpu import CPUBackend
 
 from kvoffload.config import load_config
+from kvoffload.exceptions import ConfigError
 from kvoffload.stress import StressRunner
 
 REPO = Path(__file__).resolve().parents[1]
@@ -107,8 +108,10 @@ def test_corrupted_tier_memory_is_caught() -> None:
 def test_pool_too_small_for_a_request_is_a_config_error() -> None:
     raw = _config([{"name": "cpu", "backend": "cpu", "capacity": 40 * BLOCK}])
     raw["stress"] = {**SMALL_STRESS, "pool_blocks": 5}
-    with pytest.raises(ValueError, match=r"stress.pool_blocks = 5.*pool_blocks >= 10"):
-        StressRunner(load_config(raw))
+    with pytest.raises(
+        ConfigError, match=r"<dict>: stress = .*pool_blocks = 5 .*pool_blocks >= 10"
+    ):
+        load_config(raw)
 
 
 def test_cli_stress_json_report(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from pydantic import Field
 
 from kvoffload.backend import Backend
 from kvoffload.config import TierConfig
@@ -15,7 +16,7 @@ from kvoffload.layout import KVLayout
 class DictTierConfig(TierConfig):
     """The plugin's own settings, validated like the built-in ones."""
 
-    copies: int = 1
+    copies: int = Field(default=1, gt=0)
     """How many copies of each block to keep (any positive int; only the first is read)."""
 
 
@@ -26,17 +27,15 @@ class DictBackend(Backend):
 
     def __init__(self, config: TierConfig, layout: KVLayout) -> None:
         super().__init__(config, layout)
-        if getattr(config, "copies", 1) <= 0:
-            raise ValueError("copies must be positive")
         self._data: dict[int, tuple[bytes, bytes]] = {}
 
     def write(self, slots: Sequence[int], keys: Sequence[BlockKey], src: torch.Tensor) -> None:
-        self._check_batch(slots, keys, src)
+        self.check_batch(slots, keys, src)
         for slot, key, row in zip(slots, keys, src, strict=True):
             self._data[slot] = (bytes(key), row.contiguous().numpy().tobytes())
 
     def read(self, slots: Sequence[int], keys: Sequence[BlockKey], dst: torch.Tensor) -> list[bool]:
-        self._check_batch(slots, keys, dst)
+        self.check_batch(slots, keys, dst)
         valid = []
         for i, (slot, key) in enumerate(zip(slots, keys, strict=True)):
             entry = self._data.get(slot)
