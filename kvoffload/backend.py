@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import ClassVar, final
 
 import torch
@@ -27,11 +28,23 @@ from kvoffload.layout import KVLayout
 from kvoffload.slots import SlotAllocator
 
 
+@dataclass(frozen=True, slots=True)
+class RecoveredBlock:
+    """A block a persistent backend found intact when it opened."""
+
+    key: BlockKey
+    slot: int
+    atime: float
+    """Last write or (approximately) last load, in seconds since the epoch."""
+
+
 class Backend(ABC):
     """Fixed-size slots of one tier. Construct with ``(tier_config, layout)``."""
 
     config_model: ClassVar[type[TierConfig]] = TierConfig
     """Pydantic model of this backend's tier settings (the shared fields plus its own)."""
+    persistent: ClassVar[bool] = False
+    """Whether contents survive the process (and :meth:`recover` may return blocks)."""
 
     def __init__(self, config: TierConfig, layout: KVLayout) -> None:
         self.config = config
@@ -93,6 +106,17 @@ class Backend(ABC):
         """Read ``slots[i]`` into row ``i`` of ``dst``. Returns per-block validity:
         ``False`` where the slot does not hold ``keys[i]`` under this layout intact
         (the row's contents are then undefined and must be treated as a miss)."""
+
+    def recover(self) -> list[RecoveredBlock]:
+        """Blocks found intact at open, oldest access first; their slots are already
+        marked allocated. Called once, right after construction. Non-persistent
+        backends hold nothing yet."""
+        return []
+
+    def discard(self, slots: Sequence[int]) -> None:  # noqa: B027 - optional hook
+        """Forget what ``slots`` hold, so a reopen does not recover it (a block found
+        corrupt on load, a block evicted for good). The slots' allocation is the
+        manager's business, not touched here."""
 
     def check(self) -> list[str]:
         """Consistency problems found (empty when consistent)."""

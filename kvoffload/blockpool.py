@@ -20,11 +20,32 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any, Final
 
 import torch
 
 from kvoffload.exceptions import LayoutMismatchError
 from kvoffload.layout import KVLayout
+
+PAGE: Final = 4096
+
+
+def page_aligned_empty(n: int, row_bytes: int, *, pin_memory: bool = False) -> torch.Tensor:
+    """``uint8 [n, row_bytes]`` starting on a page boundary.
+
+    Disk tiers using ``O_DIRECT`` can then read and write the rows in place (when
+    ``row_bytes`` is a multiple of the page) instead of through a bounce buffer.
+    """
+    raw = torch.empty(n * row_bytes + PAGE, dtype=torch.uint8, pin_memory=pin_memory)
+    skip = -raw.data_ptr() % PAGE
+    return raw[skip : skip + n * row_bytes].view(n, row_bytes)
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """Zero-copy ``memoryview`` of a contiguous CPU tensor's bytes (for ``os.pwritev``,
+    hashing and file writes)."""
+    arr: Any = t.numpy()
+    return memoryview(arr).cast("B")
 
 
 class BlockPool:
@@ -113,8 +134,8 @@ class BlockPool:
 
     # -- many blocks --------------------------------------------------------------
     def new_staging(self, n: int, *, pin_memory: bool = False) -> torch.Tensor:
-        """A host staging buffer for ``n`` packed blocks."""
-        return torch.empty((n, self.bytes_per_block), dtype=torch.uint8, pin_memory=pin_memory)
+        """A page-aligned host staging buffer for ``n`` packed blocks."""
+        return page_aligned_empty(n, self.bytes_per_block, pin_memory=pin_memory)
 
     def gather(self, block_ids: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
         """Pack blocks ``block_ids`` into ``out`` (``uint8 [n, bytes_per_block]``)."""

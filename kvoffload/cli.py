@@ -3,7 +3,9 @@
 - ``kvoffload config validate FILE``: exit 0 with one OK line, or 2 with the error;
 - ``kvoffload config schema``: the config's JSON Schema;
 - ``kvoffload backends``: installed backends and where they come from;
-- ``kvoffload stress``: the seeded offload stress run (see :mod:`kvoffload.stress`).
+- ``kvoffload stress``: the seeded offload stress run (see :mod:`kvoffload.stress`);
+- ``kvoffload inspect`` / ``verify``: what persistent tiers hold, and whether it is intact;
+- ``kvoffload snapshot export|import``: move a tier's blocks through a safetensors file.
 
 Expected failures (bad config, broken plugin) print one line on stderr and exit 2,
 never a traceback.
@@ -57,6 +59,35 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--seed", type=int, default=None, help="workload and data seed")
     st.add_argument("--json", type=Path, default=None, help="write the report as JSON here")
     st.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    ins = sub.add_parser("inspect", help="blocks, bytes, ages and fill of each tier")
+    ins.add_argument("--config", type=Path, default=None)
+    ins.add_argument("--json", type=Path, default=None)
+
+    ver = sub.add_parser("verify", help="re-read every persisted block; exit 1 on corruption")
+    ver.add_argument("--config", type=Path, default=None)
+    ver.add_argument("--repair", action="store_true", help="free the corrupt blocks' slots")
+    ver.add_argument("--json", type=Path, default=None)
+
+    bench = sub.add_parser("bench", help="tier throughput vs raw O_DIRECT and vLLM's fs tier")
+    bench.add_argument("--config", type=Path, default=None)
+    bench.add_argument("--json", type=Path, default=None)
+    bench.add_argument("--total", default="512MiB", help="bytes moved per measurement")
+    bench.add_argument("--reps", type=int, default=3, help="tries per measurement; best kept")
+    bench.add_argument(
+        "--sizes", default="16KiB,64KiB,256KiB,2MiB", help="comma-separated block sizes"
+    )
+
+    snap = sub.add_parser("snapshot", help="export or import a tier as safetensors")
+    snap_sub = snap.add_subparsers(dest="snapshot_command", required=True)
+    exp = snap_sub.add_parser("export", help="write a tier's blocks to a safetensors file")
+    exp.add_argument("--config", type=Path, default=None)
+    exp.add_argument("out", type=Path)
+    exp.add_argument("--tier", default=None, help="tier name (default: first persistent tier)")
+    imp = snap_sub.add_parser("import", help="pre-warm a tier from a safetensors file")
+    imp.add_argument("--config", type=Path, default=None)
+    imp.add_argument("src", type=Path)
+    imp.add_argument("--tier", default=None, help="tier name (default: first persistent tier)")
     return p
 
 
@@ -74,6 +105,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _backends()
         if args.command == "stress":
             return _stress(args)
+        if args.command == "bench":
+            return _bench(args)
+        if args.command in ("inspect", "verify", "snapshot"):
+            return _maintenance(args)
     except KVOffloadError as exc:
         print(f"kvoffload: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -141,6 +176,97 @@ def _stress(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps(report.to_json(), indent=2) + "\n")
         console.print(f"report written to {args.json}")
     return EXIT_FAILED if report.integrity_errors else EXIT_OK
+
+
+def _maintenance(args: argparse.Namespace) -> int:
+    from kvoffload import maintenance
+
+    config = load_config(args.config)
+    if args.command == "inspect":
+        report: dict[str, object] = dict(maintenance.inspect_tiers(config))
+        for name, info in report.items():
+            assert isinstance(info, dict)
+            extra = ""
+            if info.get("persistent"):
+                extra = (
+                    f" {info['bytes']} bytes, {info['used']:.1%} of {info['capacity_blocks']}"
+                    f" slots, oldest {_when(info['oldest'])}, newest {_when(info['newest'])}"
+                )
+            print(f"{name} ({info['backend']}): {info['blocks']} blocks{extra}")
+        _dump(args.json, report)
+        return EXIT_OK
+    if args.command == "verify":
+        counts = maintenance.verify_tiers(config, repair=args.repair)
+        for name, c in counts.items():
+            print(
+                f"{name}: {c['blocks']} blocks, {c['ok']} ok, {c['corrupt']} corrupt, "
+                f"{c['repaired']} repaired"
+            )
+        _dump(args.json, counts)
+        corrupt = sum(c["corrupt"] for c in counts.values())
+        return EXIT_FAILED if corrupt and not args.repair else EXIT_OK
+    if args.snapshot_command == "export":
+        n = maintenance.export_snapshot(config, args.out, args.tier)
+        print(f"exported {n} blocks to {args.out}")
+        return EXIT_OK
+    result = maintenance.import_snapshot(config, args.src, args.tier)
+    print(
+        f"imported {result['imported']} of {result['blocks']} blocks "
+        f"({result['present']} already present, {result['rejected']} without room)"
+    )
+    return EXIT_OK
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from kvoffload.bench import run_bench
+    from kvoffload.sizes import parse_size
+
+    config = load_config(args.config)
+    try:
+        sizes = [parse_size(s) for s in args.sizes.split(",")]
+        total = parse_size(args.total)
+    except ValueError as exc:
+        raise _usage(f"--sizes/--total: {exc}") from None
+    report = run_bench(
+        config,
+        sizes=sizes,
+        total_bytes=total,
+        reps=args.reps,
+        progress=lambda m: print(f"bench: {m}", flush=True),
+    )
+    print(
+        f"{'tier':<10} {'block':>7} {'store':>6} {'raw w':>6} {'x raw':>6} {'vllm':>6} "
+        f"{'x vllm':>6} {'load':>6} {'raw r':>6} {'x raw':>6} {'vllm':>6} {'x vllm':>6}   (GB/s)"
+    )
+    for r in report["tiers"]:
+        print(
+            f"{r['tier']:<10} {r['block_bytes'] // 1024:>5}Ki {r['store_gbps']:>6.2f} "
+            f"{r['raw_write_gbps']:>6.2f} {r['store_vs_raw']:>6.2f} {_f(r['vllm_fs_store_gbps'])} "
+            f"{_f(r['store_vs_vllm_fs'])} {r['load_gbps']:>6.2f} {r['raw_read_gbps']:>6.2f} "
+            f"{r['load_vs_raw']:>6.2f} {_f(r['vllm_fs_load_gbps'])} {_f(r['load_vs_vllm_fs'])}"
+        )
+    if not all(r["page_cache_dropped"] for r in report["tiers"]):
+        print("note: could not drop the page cache (not root); buffered loads are cache reads")
+    _dump(args.json, report)
+    return EXIT_OK
+
+
+def _f(x: object) -> str:
+    return f"{x:>6.2f}" if isinstance(x, float) else f"{'-':>6}"
+
+
+def _when(ts: object) -> str:
+    import datetime
+
+    if not isinstance(ts, float):
+        return "-"
+    return datetime.datetime.fromtimestamp(ts, tz=datetime.UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _dump(path: Path | None, data: object) -> None:
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=2) + "\n")
 
 
 def _usage(message: str) -> KVOffloadError:

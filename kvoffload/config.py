@@ -92,6 +92,44 @@ class CPUTierConfig(TierConfig):
     """Page-lock the slab for fast DMA. ``null``: only when CUDA is available."""
 
 
+class DiskTierConfig(TierConfig):
+    """Settings shared by the persistent tiers."""
+
+    path: str = Field(default="kvoffload-tier", min_length=1)
+    """Directory holding the tier's files; created if missing. Relative paths are taken
+    from the current directory. One writer process per directory."""
+    fsync: bool = True
+    """``true``: fdatasync after every store batch, so a block whose store completed
+    survives power loss. ``false``: it survives a process crash (``kill -9``) but a
+    power cut may lose recent stores (never corrupt them: checksums catch torn data)."""
+
+
+class MmapTierConfig(DiskTierConfig):
+    """SSD slab: preallocated files of fixed-size, 4096-aligned slots."""
+
+    backend: Literal["mmap"] = "mmap"
+    """Selects the SSD slab backend."""
+    direct_io: Literal["auto", "on", "off"] = "auto"
+    """``auto``: O_DIRECT where the filesystem allows it (probed at open, logged),
+    buffered I/O otherwise. ``on``: fail to open without O_DIRECT. ``off``: buffered."""
+    io_threads: int = Field(default=8, ge=1, le=64)
+    """Threads issuing ``pwritev``/``preadv`` concurrently; NVMe needs several in flight."""
+    max_file_bytes: ByteSize = 64 * 1024**3
+    """Largest slab file; a bigger capacity is split over several files."""
+    preallocate: bool = True
+    """Reserve the files' blocks at open (``posix_fallocate``), so a full disk shows up
+    at start-up rather than as failed stores later."""
+
+
+class LmdbTierConfig(DiskTierConfig):
+    """LMDB: one environment, key = block key, value = header + payload."""
+
+    backend: Literal["lmdb"] = "lmdb"
+    """Selects the LMDB backend."""
+    readonly: bool = False
+    """Open for reading only: several processes may read a tier one process writes."""
+
+
 class PluginTierConfig(TierConfig):
     """A tier served by a third-party backend; its own model validates extra keys."""
 
@@ -145,7 +183,11 @@ def _tier_error(
     return PydanticCustomError("tier_field", "{message}", ctx)
 
 
-_BUILTIN_TIERS: Final[dict[str, type[TierConfig]]] = {"cpu": CPUTierConfig}
+_BUILTIN_TIERS: Final[dict[str, type[TierConfig]]] = {
+    "cpu": CPUTierConfig,
+    "mmap": MmapTierConfig,
+    "lmdb": LmdbTierConfig,
+}
 
 
 def _exclude_builtins(schema: dict[str, Any]) -> None:
@@ -167,7 +209,12 @@ def _tier_tag(value: Any) -> str | None:
 
 
 AnyTierConfig = Annotated[
-    Union[Annotated[CPUTierConfig, Tag("cpu")], Annotated[PluginTierConfig, Tag("plugin")]],  # noqa: UP007
+    Union[  # noqa: UP007
+        Annotated[CPUTierConfig, Tag("cpu")],
+        Annotated[MmapTierConfig, Tag("mmap")],
+        Annotated[LmdbTierConfig, Tag("lmdb")],
+        Annotated[PluginTierConfig, Tag("plugin")],
+    ],
     Discriminator(
         _tier_tag,
         custom_error_type="tier_type",
@@ -237,7 +284,9 @@ class StressConfig(BaseModel):
         return self
 
 
-def _default_tier_list() -> list[CPUTierConfig | PluginTierConfig]:
+def _default_tier_list() -> list[
+    CPUTierConfig | MmapTierConfig | LmdbTierConfig | PluginTierConfig
+]:
     return [CPUTierConfig(name="cpu", capacity=1024**3)]
 
 

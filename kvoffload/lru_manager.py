@@ -10,7 +10,7 @@ Runs on the scheduler side; not thread-safe, as the engine's scheduler is one th
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from kvoffload.exceptions import BlockStateError
 from kvoffload.keys import BlockKey
@@ -139,6 +139,40 @@ class LRUOffloadingManager(OffloadingManager):
         if self._events is not None:
             self._events.append(OffloadingEvent(tuple(keys), self.name, removed))
 
+    # -- persistence and repair ---------------------------------------------------
+    def restore(self, blocks: Iterable[tuple[BlockKey, int]]) -> None:
+        """Adopt ready blocks a persistent backend recovered: ``(key, slot)`` pairs,
+        least recently used first, whose slots the allocator already counts as used.
+        No events: nothing changed, the books caught up with the disk."""
+        insert, get = self.policy.insert, self.policy.get
+        for key, slot in blocks:
+            if not self.allocator.is_allocated(slot):
+                raise BlockStateError(f"tier {self.name!r}: restored slot {slot} is not allocated")
+            if get(key) is not None:
+                raise BlockStateError(f"tier {self.name!r}: {key.hex()} restored twice")
+            insert(key, BlockState(slot, ref_cnt=0))
+
+    def remove(self, keys: Sequence[BlockKey]) -> list[int]:
+        """Drop ready, unpinned blocks (found corrupt, or invalidated); return their
+        freed slots. Keys not held are ignored; pinned or in-flight ones raise."""
+        freed: list[int] = []
+        removed: list[BlockKey] = []
+        for key in keys:
+            state = self.policy.get(key)
+            if state is None:
+                continue
+            if state.ref_cnt != 0:
+                raise BlockStateError(
+                    f"tier {self.name!r}: remove of {key.hex()} with ref_cnt {state.ref_cnt}"
+                )
+            self.policy.remove(key)
+            freed.append(state.slot)
+            removed.append(key)
+        if freed:
+            self.allocator.free(freed)
+            self._record(removed, removed=True)
+        return freed
+
     # -- consistency --------------------------------------------------------------
     def check(self) -> list[str]:
         """Problems found (empty when consistent): slots unique, allocated, in range."""
@@ -154,4 +188,7 @@ class LRUOffloadingManager(OffloadingManager):
                 problems.append(f"{key.hex()} sits in free slot {state.slot}")
         if len(seen) > self.capacity:
             problems.append(f"{len(seen)} blocks exceed capacity {self.capacity}")
+        in_use = self.allocator.num_slots - self.allocator.num_free
+        if in_use != len(seen):
+            problems.append(f"{in_use} slots allocated but {len(seen)} blocks held (leak)")
         return problems

@@ -46,6 +46,16 @@ class SlotAllocator:
             used[s] = 1
         return slots
 
+    def reserve(self, slots: Iterable[int]) -> None:
+        """Mark specific free slots allocated (a persistent tier adopting what it found
+        on disk at open). O(num_slots): meant for start-up, not the hot path."""
+        used = self._used
+        for s in slots:
+            if used[s]:
+                raise BlockStateError(f"slot {s} reserved twice")
+            used[s] = 1
+        self._free = [s for s in self._free if not used[s]]
+
     def free(self, slots: Sequence[int]) -> None:
         """Return slots to the free list; freeing a free slot is a bug and raises."""
         used = self._used

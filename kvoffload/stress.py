@@ -274,6 +274,9 @@ class StressRunner:
         trep.corrupt_blocks += ok.count(False)
         tier.manager.touch(prefix[:valid])
         tier.manager.complete_load(prefix)
+        if valid < hit:
+            # A corrupt or mismatched block is a miss, now and after a restart.
+            tier.drop([key for key, good in zip(prefix, ok, strict=True) if not good])
         if valid == 0:
             return 0
         self.pool.scatter(pool_ids[:valid], buf[:valid])

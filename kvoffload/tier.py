@@ -6,10 +6,12 @@ out is exactly a slot the backend has reserved. Built from config by :func:`buil
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvoffload.backend import Backend
 from kvoffload.config import KVOffloadConfig
+from kvoffload.keys import BlockKey
 from kvoffload.layout import KVLayout
 from kvoffload.lru_manager import LRUOffloadingManager
 from kvoffload.registry import create_backend
@@ -23,6 +25,16 @@ class Tier:
     backend: Backend
     manager: LRUOffloadingManager
 
+    def drop(self, keys: Sequence[BlockKey]) -> None:
+        """Forget blocks for good: out of the books (slots freed) and off the medium.
+
+        Used for blocks a load found corrupt: they must become misses, now and after a
+        restart. The keys must be unpinned (``complete_load`` first)."""
+        states = [self.manager.state(k) for k in keys]
+        slots = [s.slot for s in states if s is not None]
+        self.manager.remove(keys)
+        self.backend.discard(slots)
+
     def close(self) -> None:
         self.backend.close()
 
@@ -35,6 +47,7 @@ def build_tiers(config: KVOffloadConfig, layout: KVLayout) -> list[Tier]:
             backend = create_backend(tier_config, layout)
             manager = LRUOffloadingManager(backend.slots, config.eviction, name=tier_config.name)
             tiers.append(Tier(tier_config.name, backend, manager))
+            manager.restore((b.key, b.slot) for b in backend.recover())
     except BaseException:
         for tier in tiers:
             tier.close()

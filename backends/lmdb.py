@@ -1,0 +1,699 @@
+"""The ``lmdb`` backend: a persistent tier in one LMDB environment, on the worker side.
+
+Runs wherever the tier's bytes move (the transfer worker); the scheduler-side manager
+only sees its slots. The environment is the directory ``config.path`` (``data.mdb``
+and ``lock.mdb``) with two named sub-databases:
+
+- ``blocks``: key = block key, value = the 128-byte record header of
+  :mod:`kvoffload.record` followed by the payload;
+- ``meta``: the layout the tier was written under (``layout`` -> JSON), so tools can
+  open a tier without being told its layout (:meth:`LmdbBackend.stored_layout`).
+
+Blocks live in a named database rather than the main one because LMDB keeps the
+names of sub-databases as keys of the main database: block keys there could collide
+with them, and ``stat()`` would count them as entries.
+
+LMDB addresses values by key, not by position, so slots are bookkeeping only: a
+``slot -> key`` map lets a write into a reused slot delete the record it replaces in
+the same transaction. The database therefore never holds more than ``num_slots``
+records, and the capacity the manager enforces is the capacity on disk.
+
+Threads and processes: every write transaction runs on one writer thread per process
+(LMDB binds a write transaction to the thread that began it and allows one at a
+time); reads run on the caller's thread in their own read transaction, which the
+writer never blocks and which never sees half a batch. One process per directory
+writes; any number may open it with ``readonly: true`` and read concurrently. The
+environment is opened on first use in each process, so a forked child reopens it
+instead of using its parent's handles.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import mmap
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final, TypeVar
+
+import lmdb
+import numpy as np
+import torch
+
+from kvoffload.backend import Backend, RecoveredBlock
+from kvoffload.config import LmdbTierConfig, TierConfig
+from kvoffload.exceptions import BackendError, BlockStateError, ConfigError, LayoutMismatchError
+from kvoffload.keys import MAX_KEY_BYTES, BlockKey
+from kvoffload.layout import KVLayout
+from kvoffload.record import (
+    HEADER_BYTES,
+    header_key,
+    header_matches,
+    pack_header,
+    payload_checksum,
+    unpack_header,
+)
+from kvoffload.sizes import format_size
+
+logger = logging.getLogger(__name__)
+
+BLOCKS_DB: Final = b"blocks"
+META_DB: Final = b"meta"
+LAYOUT_KEY: Final = b"layout"
+META_FORMAT: Final = 1
+
+_MAX_DBS: Final = 2
+# Each read transaction in flight takes one slot of the lock file's reader table,
+# shared by every process that opens the tier (LMDB's default is 126).
+_MAX_READERS: Final = 512
+_MAP_HEADROOM: Final = 64 * 1024**2
+_NODE_HEADER: Final = 8  # LMDB leaf node header, before key and value
+_PAGE_HEADER: Final = 16  # LMDB page header, also in front of overflow runs
+
+_T = TypeVar("_T")
+
+
+def map_size_for(layout: KVLayout, num_slots: int) -> int:
+    """Bytes of address space to map for ``num_slots`` records of ``layout``.
+
+    Only address space: the data file grows as pages are used. LMDB cannot grow past
+    it, so it must cover the records as LMDB lays them out, twice over: copy-on-write
+    keeps the pages a batch replaces until no reader can still see them, and a freed
+    overflow run is reused only where a new value fits. The headroom holds the B-tree.
+    """
+    page = mmap.PAGESIZE
+    value = HEADER_BYTES + layout.bytes_per_block
+    node = _NODE_HEADER + MAX_KEY_BYTES + value
+    # Too big for a leaf page, a value gets its own run of whole overflow pages; small
+    # values share leaf pages, which are only half full after a split.
+    big = node > page // 2
+    per_block = -(-(value + _PAGE_HEADER) // page) * page if big else 2 * (node + 2)
+    size = 2 * num_slots * per_block + _MAP_HEADROOM
+    return -(-size // page) * page
+
+
+@dataclass(slots=True)
+class _Handles:
+    """What one process opened. LMDB handles must not cross ``fork()``; ``pid`` tells
+    whether these are ours or inherited from a parent."""
+
+    env: lmdb.Environment
+    blocks: lmdb._Database | None
+    """``None`` only when read-only and the writer has not created the database yet."""
+    writer: ThreadPoolExecutor | None
+    """The one thread that runs write transactions; ``None`` when read-only."""
+    pid: int
+
+
+class LmdbBackend(Backend):
+    """A tier in one LMDB environment; contents survive restarts (see module docs)."""
+
+    config_model = LmdbTierConfig
+    persistent = True
+
+    def __init__(self, config: TierConfig, layout: KVLayout) -> None:
+        if not isinstance(config, LmdbTierConfig):
+            raise ConfigError(
+                f"tier {config.name!r}: the lmdb backend takes an LmdbTierConfig "
+                f"(path, fsync, readonly), got {type(config).__name__}"
+            )
+        super().__init__(config, layout)
+        self.path = Path(config.path)
+        self.readonly = config.readonly
+        self.fsync = config.fsync
+        self.map_size = map_size_for(layout, self.num_slots)
+        """Bytes mapped by a writer; set before first use to change it (tests do)."""
+        self.corrupt_blocks = 0
+        """Blocks a read found damaged, of another layout, or (when writable) missing."""
+        self.missing_blocks = 0
+        """Read-only: blocks asked for that the writer has since replaced (not damage)."""
+        # slot -> key and key -> slot, inverse of each other. A freed slot keeps its key
+        # until the slot is reused or discarded: the record is still intact, and a
+        # restart may as well recover it.
+        self._slot_key: list[bytes | None] = [None] * self.num_slots
+        self._key_slot: dict[bytes, int] = {}
+        self._maps_lock = threading.Lock()
+        self._open_lock = threading.Lock()
+        self._stats_lock = threading.Lock()
+        self._lock_pid = os.getpid()
+        self._handles: _Handles | None = None
+        self._closed = False
+        self._warned = False
+        self._seq = itertools.count(1)  # next() is atomic under the GIL
+
+    @classmethod
+    def slot_bytes(cls, layout: KVLayout) -> int:
+        """Payload plus the record header: the capacity counts headers."""
+        return layout.bytes_per_block + HEADER_BYTES
+
+    @classmethod
+    def stored_layout(cls, config: LmdbTierConfig) -> KVLayout | None:
+        """The layout the tier at ``config.path`` was written under, or ``None`` if
+        there is no tier there yet. For tools that open a tier without knowing its
+        model. Opens the environment read-only for the call, so it raises
+        :class:`BackendError` if this process already has the tier open."""
+        path = Path(config.path)
+        if not (path / "data.mdb").is_file():
+            return None
+        try:
+            env = lmdb.open(
+                str(path),
+                map_size=0,  # adopt the writer's map size, recorded in the file
+                readonly=True,
+                max_dbs=_MAX_DBS,
+                max_readers=_MAX_READERS,
+            )
+        except lmdb.Error as exc:
+            raise BackendError(f"{path}: cannot open LMDB environment: {exc}") from exc
+        try:
+            try:
+                meta = env.open_db(META_DB, create=False)
+            except lmdb.NotFoundError:
+                return None
+            with env.begin(db=meta) as txn:
+                raw = txn.get(LAYOUT_KEY)
+        except lmdb.Error as exc:
+            raise BackendError(f"{path}: cannot read the tier's layout: {exc}") from exc
+        finally:
+            env.close()
+        return None if raw is None else _layout_from_meta(raw, path)
+
+    # -- opening, per process -----------------------------------------------------
+    def _open_handles(self) -> _Handles:
+        """This process's handles, opening (or, in a forked child, reopening) them."""
+        handles = self._handles
+        pid = os.getpid()
+        if handles is not None and handles.pid == pid:
+            return handles
+        self._renew_locks_after_fork()
+        with self._open_lock:
+            if self._closed:
+                raise BackendError(f"tier {self.name!r} is closed")
+            handles = self._handles
+            inherited = handles is not None and handles.pid != pid
+            if handles is not None and inherited:
+                self._handles = None
+                _close_inherited(handles)
+            if self._handles is None:
+                self._handles = self._open(pid, inherited)
+            return self._handles
+
+    def _renew_locks_after_fork(self) -> None:
+        """In a forked child, replace the locks: a parent thread may have held one at
+        fork time, and it would never be released here. The child starts with one
+        thread, so nothing races the swap."""
+        pid = os.getpid()
+        if self._lock_pid != pid:
+            self._open_lock = threading.Lock()
+            self._maps_lock = threading.Lock()
+            self._stats_lock = threading.Lock()
+            self._lock_pid = pid
+
+    def _open(self, pid: int, after_fork: bool) -> _Handles:
+        try:
+            if not self.readonly:
+                self.path.mkdir(parents=True, exist_ok=True)
+            env = lmdb.open(
+                str(self.path),
+                # Read-only: 0 adopts the writer's map size, so a reader never maps less
+                # than the writer may fill.
+                map_size=0 if self.readonly else self.map_size,
+                readonly=self.readonly,
+                sync=self.fsync,
+                metasync=self.fsync,
+                max_dbs=_MAX_DBS,
+                max_readers=_MAX_READERS,
+                # No cached read transaction: it would keep a lock-table slot that a
+                # forked child, closing its copy of the environment, would release.
+                max_spare_txns=0,
+            )
+        except (lmdb.Error, OSError) as exc:
+            hint = " (read-only: start the writer first)" if self.readonly else ""
+            raise BackendError(
+                f"tier {self.name!r}: cannot open LMDB environment at {self.path}{hint}: {exc}"
+            ) from exc
+        writer = None
+        try:
+            if self.readonly:
+                blocks = _open_existing_db(env, BLOCKS_DB)
+            else:
+                writer = ThreadPoolExecutor(1, thread_name_prefix=f"kvoffload-lmdb-{self.name}")
+                blocks = writer.submit(self._init_dbs, env).result()
+        except BaseException as exc:
+            if writer is not None:
+                writer.shutdown(wait=True)
+            env.close()
+            if isinstance(exc, lmdb.Error | OSError):
+                raise BackendError(f"tier {self.name!r}: cannot set up {self.path}: {exc}") from exc
+            raise
+        logger.info(
+            "tier %s: lmdb at %s, %d slots x %d bytes, %s, map %s%s",
+            self.name,
+            self.path,
+            self.num_slots,
+            self.slot_bytes(self.layout),
+            "read-only" if self.readonly else ("fsync" if self.fsync else "no fsync"),
+            format_size(env.info()["map_size"]),
+            " (reopened after fork)" if after_fork else "",
+        )
+        return _Handles(env, blocks, writer, pid)
+
+    def _init_dbs(self, env: lmdb.Environment) -> lmdb._Database:
+        """On the writer thread: create the databases and record the layout."""
+        # A reader that died mid-transaction pins old pages until its slot is cleared.
+        env.reader_check()
+        blocks = env.open_db(BLOCKS_DB)
+        meta = env.open_db(META_DB)
+        fp = self.layout.fingerprint
+        record = json.dumps(
+            {
+                "format": META_FORMAT,
+                "layout": self.layout.to_dict(),
+                "fingerprint": fp.hex(),
+                "bytes_per_block": self.layout.bytes_per_block,
+            },
+            sort_keys=True,
+        ).encode()
+        with env.begin(db=meta, write=True) as txn:
+            old = txn.get(LAYOUT_KEY)
+            if old != record:
+                txn.put(LAYOUT_KEY, record)
+        if old is not None and old != record:
+            logger.info(
+                "tier %s: %s was written under another layout; recovery reclaims its blocks",
+                self.name,
+                self.path,
+            )
+        return blocks
+
+    def _blocks_db(self, handles: _Handles) -> lmdb._Database | None:
+        if handles.blocks is None:
+            # Read-only and the writer had not created it when we opened: look again.
+            with self._open_lock:
+                if handles.blocks is None:
+                    handles.blocks = _open_existing_db(handles.env, BLOCKS_DB)
+        return handles.blocks
+
+    def _on_writer(self, fn: Callable[[_Handles], _T]) -> _T:
+        """Run ``fn`` on this process's writer thread and wait for it; LMDB and OS
+        errors come back as :class:`BackendError`."""
+        handles = self._open_handles()
+        assert handles.writer is not None, "read-only tiers have no writer"
+        try:
+            return handles.writer.submit(fn, handles).result()
+        except (lmdb.Error, OSError) as exc:
+            raise BackendError(f"tier {self.name!r}: LMDB write failed: {exc}") from exc
+
+    # -- data ---------------------------------------------------------------------
+    def write(self, slots: Sequence[int], keys: Sequence[BlockKey], src: torch.Tensor) -> None:
+        self.check_batch(slots, keys, src)
+        if self.readonly:
+            raise BackendError(
+                f"tier {self.name!r} is read-only (readonly: true): another process writes it"
+            )
+        if not slots:
+            return
+        values = self._pack(keys, src)
+        slot_list, key_list = list(slots), [bytes(k) for k in keys]
+        self._on_writer(lambda h: self._put_batch(h, slot_list, key_list, values))
+
+    def _pack(self, keys: Sequence[BlockKey], src: torch.Tensor) -> list[bytearray]:
+        """Header plus payload of each row, ready to put; done on the caller's thread so
+        the writer thread spends its time in LMDB."""
+        length = self.layout.bytes_per_block
+        fp = self.layout.fingerprint
+        rows = (src if src.device.type == "cpu" else src.to("cpu")).numpy()
+        now = time.time()
+        values = []
+        for key, row in zip(keys, rows, strict=True):
+            if not 0 < len(key) <= MAX_KEY_BYTES:
+                raise BackendError(
+                    f"tier {self.name!r}: block keys must be 1..{MAX_KEY_BYTES} bytes, "
+                    f"got {len(key)}"
+                )
+            value = bytearray(HEADER_BYTES + length)
+            view = np.frombuffer(value, dtype=np.uint8)  # writable: shares ``value``
+            payload = view[HEADER_BYTES:]
+            payload[...] = row
+            # Checksum the copy, not ``row``: what is stored is then exactly what was
+            # summed, even if the caller reuses its buffer while we run.
+            header = pack_header(
+                key=bytes(key),
+                length=length,
+                seq=next(self._seq),
+                wtime=now,
+                atime=now,
+                layout_fp=fp,
+                checksum=payload_checksum(payload),
+            )
+            value[:HEADER_BYTES] = header
+            values.append(value)
+        return values
+
+    def _put_batch(
+        self,
+        handles: _Handles,
+        slots: list[int],
+        keys: list[bytes],
+        values: list[bytearray],
+    ) -> None:
+        """On the writer thread: one transaction replacing what the slots held."""
+        try:
+            self._put_batch_once(handles, slots, keys, values)
+        except lmdb.MapFullError:
+            # Pages are pinned by the oldest live reader; a reader process that died
+            # holding a transaction pins them for ever until its slot is cleared.
+            if not handles.env.reader_check():
+                raise
+            logger.warning("tier %s: cleared stale LMDB readers; retrying the store", self.name)
+            self._put_batch_once(handles, slots, keys, values)
+
+    def _put_batch_once(
+        self,
+        handles: _Handles,
+        slots: list[int],
+        keys: list[bytes],
+        values: list[bytearray],
+    ) -> None:
+        slot_key, key_slot = self._slot_key, self._key_slot
+        # Old values of the map entries changed, restored if the transaction fails.
+        saved_slots: dict[int, bytes | None] = {}
+        saved_keys: dict[bytes, int | None] = {}
+
+        def set_slot(slot: int, key: bytes | None) -> None:
+            saved_slots.setdefault(slot, slot_key[slot])
+            slot_key[slot] = key
+
+        def set_key(key: bytes, slot: int | None) -> None:
+            saved_keys.setdefault(key, key_slot.get(key))
+            if slot is None:
+                key_slot.pop(key, None)
+            else:
+                key_slot[key] = slot
+
+        with self._maps_lock:
+            try:
+                with handles.env.begin(db=handles.blocks, write=True) as txn:
+                    for slot, key, value in zip(slots, keys, values, strict=True):
+                        old = slot_key[slot]
+                        if old is not None and old != key:
+                            txn.delete(old)
+                            set_key(old, None)
+                        prev = key_slot.get(key)
+                        if prev is not None and prev != slot:
+                            # The key was evicted from ``prev`` and is stored again here.
+                            # ``prev`` must stop claiming it, or reusing ``prev`` later
+                            # would delete the record this slot now holds.
+                            set_slot(prev, None)
+                        txn.put(key, value)
+                        set_slot(slot, key)
+                        set_key(key, slot)
+            except BaseException:
+                for slot, old_key in saved_slots.items():
+                    slot_key[slot] = old_key
+                for key, old_slot in saved_keys.items():
+                    if old_slot is None:
+                        key_slot.pop(key, None)
+                    else:
+                        key_slot[key] = old_slot
+                raise
+
+    def read(self, slots: Sequence[int], keys: Sequence[BlockKey], dst: torch.Tensor) -> list[bool]:
+        self.check_batch(slots, keys, dst)
+        if not slots:
+            return []
+        handles = self._open_handles()
+        blocks = self._blocks_db(handles)
+        if blocks is None:
+            for key in keys:
+                self._missing(key)
+            return [False] * len(keys)
+        # Rows are checksummed where they land, so ``dst`` needs contiguous rows; a
+        # device or strided ``dst`` is filled through a host copy.
+        direct = dst.device.type == "cpu" and dst.stride(1) == 1
+        out = dst if direct else torch.empty(dst.shape, dtype=torch.uint8)
+        rows = out.numpy()
+        valid: list[bool] = []
+        try:
+            # buffers=True: values are views of the map, valid only inside the
+            # transaction, and copied straight into ``out`` (one copy).
+            with handles.env.begin(db=blocks, buffers=True) as txn:
+                for i, key in enumerate(keys):
+                    value = txn.get(key)
+                    if value is None:
+                        self._missing(key)
+                        valid.append(False)
+                        continue
+                    rec, problem = self._header_of(key, value)
+                    if rec is not None:
+                        want = int(rec["checksum"])
+                        np.copyto(rows[i], np.frombuffer(value, np.uint8, offset=HEADER_BYTES))
+                        # Verify the copy, not the map: what the caller gets is then
+                        # exactly what was summed, even if a page under a reader that
+                        # lost its lock-table slot was reused meanwhile (see fork).
+                        if payload_checksum(rows[i]) != want:
+                            problem = "payload checksum mismatch"
+                    if problem:
+                        self._corrupt(key, problem)
+                    valid.append(not problem)
+        except lmdb.MapResizedError as exc:
+            raise BackendError(
+                f"tier {self.name!r}: the writer of {self.path} now maps more than this "
+                "process does; reopen the tier to read it"
+            ) from exc
+        except lmdb.Error as exc:
+            raise BackendError(f"tier {self.name!r}: LMDB read failed: {exc}") from exc
+        if out is not dst:
+            dst.copy_(out)
+        # The load time is not written back: LMDB values are not updated in place, so
+        # refreshing ``atime`` would rewrite the whole block. Recovery therefore orders
+        # blocks by last write; the manager's own LRU order governs while running.
+        return valid
+
+    def _header_of(self, key: bytes, value: memoryview) -> tuple[np.void | None, str]:
+        """The header of ``value`` if it says the record holds ``key`` under this
+        layout, else ``None`` and why not. The payload is checked after the copy."""
+        length = self.layout.bytes_per_block
+        if len(value) != HEADER_BYTES + length:
+            return None, f"record of {len(value)} bytes, expected {HEADER_BYTES + length}"
+        rec = unpack_header(value)
+        if rec is None:
+            return None, "damaged header"
+        if not header_matches(rec, key, self.layout.fingerprint, length):
+            return None, "header of another key or layout"
+        return rec, ""
+
+    def _missing(self, key: bytes) -> None:
+        if self.readonly:
+            # The writer replaced it since we learnt of it: a miss, not damage.
+            with self._stats_lock:
+                self.missing_blocks += 1
+            logger.debug("tier %s: block %s is no longer stored", self.name, key.hex())
+        else:
+            self._corrupt(key, "record missing")
+
+    def _corrupt(self, key: bytes, problem: str) -> None:
+        with self._stats_lock:
+            self.corrupt_blocks += 1
+            first, self._warned = not self._warned, True
+        if first:
+            logger.warning(
+                "tier %s: block %s is unusable (%s) and is served as a miss; further "
+                "ones are logged at debug level and counted in corrupt_blocks",
+                self.name,
+                key.hex(),
+                problem,
+            )
+        else:
+            logger.debug("tier %s: block %s is unusable (%s)", self.name, key.hex(), problem)
+
+    # -- persistence --------------------------------------------------------------
+    def recover(self) -> list[RecoveredBlock]:
+        """Adopt the intact records of this layout, newest ones first if they no longer
+        all fit. Headers are checked here; payload checksums only when a block is
+        loaded, as reading every payload would make start-up as slow as a full scan
+        of the tier. Records that can never be served are deleted (unless read-only)."""
+        if self._key_slot or self.num_free != self.num_slots:
+            raise BlockStateError(
+                f"tier {self.name!r}: recover() must run once, before any slot is used"
+            )
+        handles = self._open_handles()
+        blocks = self._blocks_db(handles)
+        if blocks is None:
+            return []
+        fp, length = self.layout.fingerprint, self.layout.bytes_per_block
+        found: list[tuple[float, int, bytes]] = []  # (atime, seq, key)
+        damaged: list[bytes] = []
+        foreign: list[bytes] = []
+        max_seq = 0
+        try:
+            with handles.env.begin(db=blocks, buffers=True) as txn:
+                for raw_key, value in txn.cursor():
+                    key = bytes(raw_key)
+                    rec = unpack_header(value)
+                    if (
+                        rec is None
+                        or header_key(rec) != key
+                        or len(value) != HEADER_BYTES + int(rec["length"])
+                    ):
+                        damaged.append(key)
+                        continue
+                    max_seq = max(max_seq, int(rec["seq"]))
+                    if not header_matches(rec, key, fp, length):
+                        foreign.append(key)
+                        continue
+                    found.append((float(rec["atime"]), int(rec["seq"]), key))
+        except lmdb.Error as exc:
+            raise BackendError(f"tier {self.name!r}: cannot scan {self.path}: {exc}") from exc
+        self._seq = itertools.count(max_seq + 1)
+        found.sort(reverse=True)  # newest first
+        keep, surplus = found[: self.num_slots], found[self.num_slots :]
+        keep.reverse()  # oldest first, the order restore() wants
+        with self._maps_lock:
+            for slot, (_, _, key) in enumerate(keep):
+                self._slot_key[slot] = key
+                self._key_slot[key] = slot
+        self.slots.reserve(range(len(keep)))
+        reclaim = damaged + foreign + [key for _, _, key in surplus]
+        if reclaim and not self.readonly:
+            self._on_writer(lambda h: _delete_keys(h, reclaim))
+        if reclaim:
+            logger.info(
+                "tier %s: recovered %d blocks; %s %d damaged, %d of another layout, "
+                "%d over capacity",
+                self.name,
+                len(keep),
+                "ignored (read-only)" if self.readonly else "reclaimed",
+                len(damaged),
+                len(foreign),
+                len(surplus),
+            )
+        else:
+            logger.info("tier %s: recovered %d blocks", self.name, len(keep))
+        return [
+            RecoveredBlock(BlockKey(key), slot, atime) for slot, (atime, _, key) in enumerate(keep)
+        ]
+
+    def discard(self, slots: Sequence[int]) -> None:
+        """Delete what the slots hold, so a reopen does not recover it. Read-only:
+        only forgotten here, as the records belong to the writer."""
+        if not slots:
+            return
+        if self.readonly:
+            with self._maps_lock:
+                self._forget(slots)
+            return
+        slot_list = list(slots)
+        self._on_writer(lambda h: self._delete_slots(h, slot_list))
+
+    def _delete_slots(self, handles: _Handles, slots: list[int]) -> None:
+        with self._maps_lock:
+            keys = [k for k in (self._slot_key[s] for s in slots) if k is not None]
+            _delete_keys(handles, keys)
+            self._forget(slots)  # only once the deletion committed
+
+    def _forget(self, slots: Sequence[int]) -> None:
+        for slot in slots:
+            key = self._slot_key[slot]
+            if key is not None:
+                self._slot_key[slot] = None
+                del self._key_slot[key]
+
+    # -- consistency and shutdown -------------------------------------------------
+    def check(self) -> list[str]:
+        """Allocator and maps consistent, and (when writable) the database holds
+        exactly the blocks the slots map to. A freed slot may still map to its last
+        block: the record is intact until the slot is reused."""
+        problems = super().check()
+        with self._maps_lock:
+            for slot, key in enumerate(self._slot_key):
+                if key is not None and self._key_slot.get(key) != slot:
+                    problems.append(f"slot {slot} maps to {key.hex()}, which maps elsewhere")
+            for key, slot in self._key_slot.items():
+                if self._slot_key[slot] != key:
+                    problems.append(f"{key.hex()} maps to slot {slot}, which maps elsewhere")
+        if not self.readonly:
+            # On the writer thread, so no batch commits between the two snapshots.
+            problems += self._on_writer(self._check_db)
+        return problems
+
+    def _check_db(self, handles: _Handles) -> list[str]:
+        with self._maps_lock:
+            held = set(self._key_slot)
+        with handles.env.begin(db=handles.blocks) as txn:
+            stored = set(txn.cursor().iternext(values=False))
+        problems = []
+        if len(stored) != len(held):
+            problems.append(f"{len(stored)} records in {self.path} but {len(held)} blocks mapped")
+        for what, keys in (("unmapped record", stored - held), ("no record for", held - stored)):
+            problems += [f"{what} {key.hex()}" for key in sorted(keys)[:5]]
+        return problems
+
+    def close(self) -> None:
+        """Finish queued writes, then close the environment. Idempotent."""
+        self._renew_locks_after_fork()
+        with self._open_lock:
+            if self._closed:
+                return
+            self._closed = True
+            handles, self._handles = self._handles, None
+        if handles is None:
+            return
+        if handles.pid != os.getpid():
+            _close_inherited(handles)
+            return
+        if handles.writer is not None:
+            handles.writer.shutdown(wait=True)
+        handles.env.close()
+
+
+def _delete_keys(handles: _Handles, keys: Sequence[bytes]) -> None:
+    """On the writer thread: delete records in one transaction (missing ones are fine)."""
+    with handles.env.begin(db=handles.blocks, write=True) as txn:
+        for key in keys:
+            txn.delete(key)
+
+
+def _open_existing_db(env: lmdb.Environment, name: bytes) -> lmdb._Database | None:
+    try:
+        return env.open_db(name, create=False)
+    except lmdb.NotFoundError:
+        return None
+
+
+def _close_inherited(handles: _Handles) -> None:
+    """Close a forked child's copy of its parent's environment.
+
+    py-lmdb refuses to open an environment twice in one process, and the inherited
+    copy counts, so it must go before the child reopens. Closing it leaves the parent
+    alone as long as no transaction of the parent was alive at fork time: LMDB's file
+    locks are per process and not inherited, and it clears only this pid's reader
+    slots. A read transaction alive at fork time (another thread mid-load, or one
+    py-lmdb cached, hence ``max_spare_txns=0``) would have its lock-table slot
+    released by the close, leaving the parent's reader unregistered; loads verify
+    the bytes they deliver, so that costs misses, not wrong data. A store in flight
+    at fork time is aborted in the child's copy only. The parent's writer thread does
+    not exist here; its executor is dropped, not joined.
+    """
+    handles.env.close()
+
+
+def _layout_from_meta(raw: bytes, path: Path) -> KVLayout:
+    try:
+        meta: dict[str, Any] = json.loads(raw)
+        layout = KVLayout(**meta["layout"])
+        fingerprint = bytes.fromhex(meta["fingerprint"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise BackendError(f"{path}: unreadable layout record: {exc}") from exc
+    if layout.fingerprint != fingerprint:
+        raise LayoutMismatchError(
+            f"{path}: layout {layout} does not reproduce the stored fingerprint "
+            f"{fingerprint.hex()}; the tier was written by another kvoffload version"
+        )
+    return layout

@@ -1,0 +1,264 @@
+"""Offline tools over persistent tiers: ``inspect``, ``verify`` and safetensors snapshots.
+
+Runs in its own process (the CLI), never beside an engine writing the same tier: the
+slab backend's directory lock refuses that. Everything goes through the
+:class:`~kvoffload.backend.Backend` interface (``recover``, ``read``, ``discard``), so
+any persistent backend, built-in or third-party, gets these tools for free.
+
+Which layout a tier is opened with: the one stored in the tier (a persistent backend's
+``stored_layout``), else the config's ``stress.layout``; a snapshot import into an
+empty tier adopts the snapshot's layout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Final
+
+import torch
+
+from kvoffload.backend import Backend
+from kvoffload.blockpool import byte_view
+from kvoffload.config import KVOffloadConfig, TierConfig
+from kvoffload.exceptions import ConfigError, LayoutMismatchError
+from kvoffload.keys import MAX_KEY_BYTES, BlockKey
+from kvoffload.layout import KVLayout
+from kvoffload.lru_manager import LRUOffloadingManager
+from kvoffload.registry import get_backend_class
+
+logger = logging.getLogger(__name__)
+
+BATCH_BYTES: Final = 64 * 1024 * 1024
+"""Bytes read per batch while scanning a tier: large I/Os, bounded memory."""
+SNAPSHOT_FORMAT: Final = "kvoffload-snapshot-v1"
+
+
+def _stress_layout(config: KVOffloadConfig) -> KVLayout:
+    from kvoffload.stress import layout_from_config
+
+    return layout_from_config(config)
+
+
+def tier_layout(tier: TierConfig, config: KVOffloadConfig) -> KVLayout:
+    """The layout the tier's data was written under, or the config's stress layout."""
+    cls = get_backend_class(tier.backend)
+    stored = getattr(cls, "stored_layout", None)
+    layout = stored(tier) if stored is not None else None
+    return layout if isinstance(layout, KVLayout) else _stress_layout(config)
+
+
+def _persistent_tiers(config: KVOffloadConfig, name: str | None) -> list[TierConfig]:
+    tiers = config.resolved_tiers()
+    if name is not None:
+        tiers = [t for t in tiers if t.name == name]
+        if not tiers:
+            known = ", ".join(t.name for t in config.tiers)
+            raise ConfigError(f"--tier {name!r}: no such tier in the config; tiers: {known}")
+    chosen = [t for t in tiers if get_backend_class(t.backend).persistent]
+    if name is not None and not chosen:
+        raise ConfigError(f"--tier {name!r}: backend {tiers[0].backend!r} keeps nothing on disk")
+    return chosen
+
+
+@contextmanager
+def _open(tier: TierConfig, layout: KVLayout) -> Iterator[Backend]:
+    backend = get_backend_class(tier.backend)(tier, layout)
+    try:
+        yield backend
+    finally:
+        backend.close()
+
+
+def _batches(n: int, layout: KVLayout) -> Iterator[slice]:
+    step = max(1, BATCH_BYTES // layout.bytes_per_block)
+    for start in range(0, n, step):
+        yield slice(start, min(n, start + step))
+
+
+# ------------------------------------------------------------------------- inspect
+def inspect_tiers(config: KVOffloadConfig) -> dict[str, dict[str, Any]]:
+    """Per tier: blocks, bytes, oldest/newest access time, capacity used, layout."""
+    report: dict[str, dict[str, Any]] = {}
+    for tier in config.resolved_tiers():
+        cls = get_backend_class(tier.backend)
+        if not cls.persistent:
+            report[tier.name] = {"backend": tier.backend, "persistent": False, "blocks": 0}
+            continue
+        layout = tier_layout(tier, config)
+        with _open(tier, layout) as backend:
+            blocks = backend.recover()
+            atimes = [b.atime for b in blocks]
+            report[tier.name] = {
+                "backend": tier.backend,
+                "persistent": True,
+                "blocks": len(blocks),
+                "bytes": len(blocks) * layout.bytes_per_block,
+                "capacity_blocks": backend.num_slots,
+                "capacity_bytes": backend.capacity_bytes,
+                "used": len(blocks) / backend.num_slots,
+                "oldest": min(atimes) if atimes else None,
+                "newest": max(atimes) if atimes else None,
+                "layout": layout.to_dict(),
+                "fingerprint": layout.fingerprint.hex(),
+            }
+    return report
+
+
+# -------------------------------------------------------------------------- verify
+def verify_tiers(config: KVOffloadConfig, *, repair: bool = False) -> dict[str, dict[str, int]]:
+    """Re-read every persisted block; ``{tier: {blocks, ok, corrupt, repaired}}``.
+
+    With ``repair`` the corrupt blocks' records are discarded, so a reopen no longer
+    finds them (they were never served: loads verify too).
+    """
+    report: dict[str, dict[str, int]] = {}
+    for tier in _persistent_tiers(config, None):
+        layout = tier_layout(tier, config)
+        with _open(tier, layout) as backend:
+            blocks = backend.recover()
+            counts = {"blocks": len(blocks), "ok": 0, "corrupt": 0, "repaired": 0}
+            for part in _batches(len(blocks), layout):
+                batch = blocks[part]
+                buf = torch.empty((len(batch), layout.bytes_per_block), dtype=torch.uint8)
+                valid = backend.read([b.slot for b in batch], [b.key for b in batch], buf)
+                bad = [b.slot for b, ok in zip(batch, valid, strict=True) if not ok]
+                counts["ok"] += len(batch) - len(bad)
+                counts["corrupt"] += len(bad)
+                if repair and bad:
+                    backend.discard(bad)
+                    backend.free(bad)
+                    counts["repaired"] += len(bad)
+            report[tier.name] = counts
+    return report
+
+
+# ------------------------------------------------------------------------ snapshots
+def export_snapshot(config: KVOffloadConfig, out: Path, tier_name: str | None = None) -> int:
+    """Write every intact block of one persistent tier to a safetensors file.
+
+    Streams: blocks are read in batches and appended, so memory stays bounded
+    whatever the tier's size. Tensors: ``blocks`` uint8 [n, bytes_per_block],
+    ``keys`` uint8 [n, 64] (zero-padded), ``key_lens`` int16 [n]; the layout goes in
+    the metadata. Returns the number of blocks written.
+    """
+    tiers = _persistent_tiers(config, tier_name)
+    if not tiers:
+        raise ConfigError("snapshot export: the config has no persistent tier (mmap, lmdb, ...)")
+    tier = tiers[0]
+    layout = tier_layout(tier, config)
+    with _open(tier, layout) as backend:
+        blocks = backend.recover()
+        n_max = len(blocks)
+        bpb = layout.bytes_per_block
+        meta = {
+            "format": SNAPSHOT_FORMAT,
+            "tier": tier.name,
+            "layout": json.dumps(layout.to_dict(), sort_keys=True),
+            "fingerprint": layout.fingerprint.hex(),
+        }
+        # The header is written last, once the number of intact blocks is known, into
+        # room reserved for the largest possible header (padding is allowed).
+        reserve = len(_header_json(n_max, bpb, meta)) + 64
+        keys: list[BlockKey] = []
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out, "wb") as f:
+            f.write(b"\0" * (8 + reserve))
+            for part in _batches(n_max, layout):
+                batch = blocks[part]
+                buf = torch.empty((len(batch), bpb), dtype=torch.uint8)
+                valid = backend.read([b.slot for b in batch], [b.key for b in batch], buf)
+                for i, (block, ok) in enumerate(zip(batch, valid, strict=True)):
+                    if ok:
+                        f.write(byte_view(buf[i]))
+                        keys.append(block.key)
+            key_bytes = torch.zeros((len(keys), MAX_KEY_BYTES), dtype=torch.uint8)
+            key_lens = torch.zeros(len(keys), dtype=torch.int16)
+            for i, key in enumerate(keys):
+                key_bytes[i, : len(key)] = torch.frombuffer(bytearray(key), dtype=torch.uint8)
+                key_lens[i] = len(key)
+            f.write(byte_view(key_bytes))
+            f.write(byte_view(key_lens))
+            header = _header_json(len(keys), bpb, meta)
+            f.seek(0)
+            f.write(struct.pack("<Q", reserve) + header.ljust(reserve, b" "))
+    logger.info("exported %d blocks of tier %s to %s", len(keys), tier.name, out)
+    return len(keys)
+
+
+def _header_json(n: int, bpb: int, meta: dict[str, str]) -> bytes:
+    blocks_end = n * bpb
+    keys_end = blocks_end + n * MAX_KEY_BYTES
+    header = {
+        "__metadata__": meta,
+        "blocks": {"dtype": "U8", "shape": [n, bpb], "data_offsets": [0, blocks_end]},
+        "keys": {
+            "dtype": "U8",
+            "shape": [n, MAX_KEY_BYTES],
+            "data_offsets": [blocks_end, keys_end],
+        },
+        "key_lens": {"dtype": "I16", "shape": [n], "data_offsets": [keys_end, keys_end + 2 * n]},
+    }
+    return json.dumps(header, separators=(",", ":")).encode()
+
+
+def import_snapshot(
+    config: KVOffloadConfig, src: Path, tier_name: str | None = None
+) -> dict[str, int]:
+    """Pre-warm a persistent tier from a snapshot; refuse one of another layout.
+
+    Returns ``{blocks, imported, present, rejected}``: ``present`` were already in
+    the tier, ``rejected`` found no room (the tier is smaller than the snapshot).
+    """
+    from safetensors import safe_open
+
+    tiers = _persistent_tiers(config, tier_name)
+    if not tiers:
+        raise ConfigError("snapshot import: the config has no persistent tier (mmap, lmdb, ...)")
+    tier = tiers[0]
+    with safe_open(str(src), framework="pt") as snap:
+        meta = snap.metadata() or {}
+        if meta.get("format") != SNAPSHOT_FORMAT:
+            raise LayoutMismatchError(
+                f"{src}: not a kvoffload snapshot (format {meta.get('format')!r})"
+            )
+        layout = KVLayout(**json.loads(meta["layout"]))
+        if layout.fingerprint.hex() != meta.get("fingerprint"):
+            raise LayoutMismatchError(f"{src}: layout and fingerprint disagree; file damaged?")
+        stored = getattr(get_backend_class(tier.backend), "stored_layout", None)
+        have = stored(tier) if stored is not None else None
+        if isinstance(have, KVLayout) and have.fingerprint != layout.fingerprint:
+            raise LayoutMismatchError(
+                f"{src}: snapshot layout {layout.to_dict()} does not match tier "
+                f"{tier.name!r}'s layout {have.to_dict()}; import it into a tier of that "
+                "layout (or an empty tier directory)"
+            )
+        key_bytes = snap.get_tensor("keys")
+        key_lens = snap.get_tensor("key_lens").tolist()
+        keys = [BlockKey(bytes(key_bytes[i, :n].tolist())) for i, n in enumerate(key_lens)]
+        blocks = snap.get_slice("blocks")
+        counts = {"blocks": len(keys), "imported": 0, "present": 0, "rejected": 0}
+        with _open(tier, layout) as backend:
+            manager = LRUOffloadingManager(backend.slots, config.eviction, name=tier.name)
+            manager.restore((b.key, b.slot) for b in backend.recover())
+            for part in _batches(len(keys), layout):
+                batch_keys = keys[part]
+                plan = manager.prepare_store(batch_keys)
+                if plan is None:
+                    counts["rejected"] += len(batch_keys)
+                    continue
+                counts["present"] += len(batch_keys) - len(plan.keys_to_store)
+                if not plan.keys_to_store:
+                    continue
+                rows = blocks[part.start : part.stop]
+                row_of = {k: i for i, k in enumerate(batch_keys)}
+                src_rows = rows[torch.tensor([row_of[k] for k in plan.keys_to_store])]
+                backend.write(plan.slots, plan.keys_to_store, src_rows.contiguous())
+                manager.complete_store(plan.keys_to_store)
+                counts["imported"] += len(plan.keys_to_store)
+    logger.info("imported %s from %s into tier %s", counts, src, tier.name)
+    return counts
