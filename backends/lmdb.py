@@ -48,6 +48,7 @@ import torch
 
 from kvoffload.backend import Backend, RecoveredBlock
 from kvoffload.config import LmdbTierConfig, TierConfig
+from kvoffload.dirlock import lock_tier_dir
 from kvoffload.exceptions import BackendError, BlockStateError, ConfigError, LayoutMismatchError
 from kvoffload.keys import MAX_KEY_BYTES, BlockKey
 from kvoffload.layout import KVLayout
@@ -146,6 +147,36 @@ class LmdbBackend(Backend):
         self._closed = False
         self._warned = False
         self._seq = itertools.count(1)  # next() is atomic under the GIL
+        # One writer process per directory: LMDB serialises writers itself, but two
+        # processes each keeping their own slot -> key map would overwrite each
+        # other's blocks. Readers (readonly) take no lock.
+        self._dir_lock: int | None = (
+            None
+            if self.readonly
+            else lock_tier_dir(self.path, self.name, alternative=", or open it with readonly: true")
+        )
+
+    @classmethod
+    def existing_config(cls, config: TierConfig, *, write: bool) -> TierConfig | None:
+        path = Path(getattr(config, "path", ""))
+        if not (path / "data.mdb").is_file():
+            return None
+        layout = cls.stored_layout(config)  # type: ignore[arg-type]
+        entries = 0
+        if layout is not None:
+            env = lmdb.open(str(path), map_size=0, readonly=True, max_dbs=_MAX_DBS)
+            try:
+                blocks = _open_existing_db(env, BLOCKS_DB)
+                if blocks is not None:
+                    with env.begin(db=blocks) as txn:
+                        entries = int(txn.stat(blocks)["entries"])
+            finally:
+                env.close()
+        # Room for every record already there, so recovery keeps them all.
+        needed = entries * cls.slot_bytes(layout) if layout is not None else 0
+        return config.model_copy(
+            update={"readonly": not write, "capacity": max(config.capacity, needed)}
+        )
 
     @classmethod
     def slot_bytes(cls, layout: KVLayout) -> int:
@@ -637,6 +668,9 @@ class LmdbBackend(Backend):
 
     def close(self) -> None:
         """Finish queued writes, then close the environment. Idempotent."""
+        if self._dir_lock is not None and os.getpid() == self._lock_pid:
+            os.close(self._dir_lock)
+            self._dir_lock = None
         self._renew_locks_after_fork()
         with self._open_lock:
             if self._closed:

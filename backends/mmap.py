@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import json
 import logging
 import mmap
@@ -48,6 +47,7 @@ import torch
 
 from kvoffload.backend import Backend, RecoveredBlock
 from kvoffload.config import MmapTierConfig, TierConfig
+from kvoffload.dirlock import lock_tier_dir
 from kvoffload.exceptions import BackendError, ConfigError
 from kvoffload.keys import BlockKey
 from kvoffload.layout import KVLayout
@@ -116,19 +116,15 @@ class MmapBackend(Backend):
         self.payload_bytes = layout.bytes_per_block
         self.stride = _align_up(self.payload_bytes)  # bytes between slot starts
         self.corrupt_blocks = 0
+        self.record_access = True
+        """Whether loads refresh ``atime``; maintenance scans turn it off so that a
+        ``verify`` does not flatten the LRU order a restart will restore."""
         self._warned_corrupt = False
         self._lock = threading.Lock()  # header table and counters
         self._seq = 0
         self._dirty_pages: set[tuple[int, int]] = set()  # (file, page) with atime changes
         self._recovered: list[RecoveredBlock] = []
-        try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            self._lockfd: int | None = self._take_dir_lock()
-        except OSError as exc:
-            raise ConfigError(
-                f"tier {self.name!r}: path = {str(self.dir)!r}: cannot use directory: "
-                f"{exc.strerror or exc}; point tiers[].path at a writable directory"
-            ) from None
+        self._lockfd: int | None = lock_tier_dir(self.dir, self.name)
         self.direct = self._probe_direct_io()
         logger.info(
             "tier %s: mmap slab in %s, %d slots of %d bytes, %s I/O, %d threads, fsync %s",
@@ -154,18 +150,6 @@ class MmapBackend(Backend):
             raise
 
     # -- opening ------------------------------------------------------------------
-    def _take_dir_lock(self) -> int:
-        fd = os.open(self.dir / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise ConfigError(
-                f"tier {self.name!r}: path = {str(self.dir)!r} is in use by another process; "
-                "give each process its own tiers[].path"
-            ) from None
-        return fd
-
     def _probe_direct_io(self) -> bool:
         if self.cfg.direct_io == "off":
             return False
@@ -236,6 +220,20 @@ class MmapBackend(Backend):
         if meta is None:
             return None
         return KVLayout(**meta["layout"])
+
+    @classmethod
+    def existing_config(cls, config: TierConfig, *, write: bool) -> TierConfig | None:
+        meta = cls.read_superblock(Path(getattr(config, "path", "")) / "slab-000.kvo")
+        if meta is None:
+            return None
+        layout = KVLayout(**meta["layout"])
+        return config.model_copy(
+            update={
+                "capacity": meta["total_slots"] * cls.slot_bytes(layout),
+                # the same split into files: the first file holds exactly this many
+                "max_file_bytes": meta["num_slots"] * (meta["stride"] + HEADER_BYTES),
+            }
+        )
 
     def _open_files(self) -> None:
         per_file = max(1, self.cfg.max_file_bytes // (self.stride + HEADER_BYTES))
@@ -439,12 +437,12 @@ class MmapBackend(Backend):
         with self._lock:
             for i, slot in enumerate(slots):
                 f, local = self._locate(slot)
-                if valid[i]:
+                if valid[i] and self.record_access:
                     rec = f.headers[local]
                     rec["atime"] = now
                     seal(rec)
                     self._dirty_pages.add((f.index, local * HEADER_BYTES // ALIGN))
-                else:
+                elif not valid[i]:
                     bad += 1
             self.corrupt_blocks += bad
         if bad:
@@ -608,7 +606,8 @@ class MmapBackend(Backend):
                 prev = page
                 continue
             lo, hi = start * ALIGN, (prev + 1) * ALIGN
-            os.pwrite(f.fd, buf[lo:hi], ALIGN + lo)
+            if os.pwrite(f.fd, buf[lo:hi], ALIGN + lo) != hi - lo:
+                raise OSError(errno.ENOSPC, f"short header write in {f.path.name}")
             if page is not None:
                 start = prev = page
 

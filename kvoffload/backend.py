@@ -107,6 +107,14 @@ class Backend(ABC):
         ``False`` where the slot does not hold ``keys[i]`` under this layout intact
         (the row's contents are then undefined and must be treated as a miss)."""
 
+    @classmethod
+    def existing_config(cls, config: TierConfig, *, write: bool) -> TierConfig | None:
+        """The config that opens the tier already at ``config``'s location exactly as it
+        was written (same geometry, read-only where possible), or ``None`` if there is
+        none. Maintenance tools open tiers through it, so inspecting a tier under a
+        config whose capacity changed can never reformat or shrink it."""
+        return None
+
     def recover(self) -> list[RecoveredBlock]:
         """Blocks found intact at open, oldest access first; their slots are already
         marked allocated. Called once, right after construction. Non-persistent

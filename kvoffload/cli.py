@@ -5,6 +5,7 @@
 - ``kvoffload backends``: installed backends and where they come from;
 - ``kvoffload stress``: the seeded offload stress run (see :mod:`kvoffload.stress`);
 - ``kvoffload inspect`` / ``verify``: what persistent tiers hold, and whether it is intact;
+- ``kvoffload bench``: disk-tier throughput against raw O_DIRECT and vLLM's fs tier;
 - ``kvoffload snapshot export|import``: move a tier's blocks through a safetensors file.
 
 Expected failures (bad config, broken plugin) print one line on stderr and exit 2,
@@ -66,7 +67,9 @@ def _parser() -> argparse.ArgumentParser:
 
     ver = sub.add_parser("verify", help="re-read every persisted block; exit 1 on corruption")
     ver.add_argument("--config", type=Path, default=None)
-    ver.add_argument("--repair", action="store_true", help="free the corrupt blocks' slots")
+    ver.add_argument(
+        "--repair", action="store_true", help="discard the corrupt blocks' records for good"
+    )
     ver.add_argument("--json", type=Path, default=None)
 
     bench = sub.add_parser("bench", help="tier throughput vs raw O_DIRECT and vLLM's fs tier")
@@ -187,7 +190,9 @@ def _maintenance(args: argparse.Namespace) -> int:
         for name, info in report.items():
             assert isinstance(info, dict)
             extra = ""
-            if info.get("persistent"):
+            if info.get("missing"):
+                extra = " (nothing written at its path yet)"
+            elif info.get("persistent"):
                 extra = (
                     f" {info['bytes']} bytes, {info['used']:.1%} of {info['capacity_blocks']}"
                     f" slots, oldest {_when(info['oldest'])}, newest {_when(info['newest'])}"
@@ -212,7 +217,8 @@ def _maintenance(args: argparse.Namespace) -> int:
     result = maintenance.import_snapshot(config, args.src, args.tier)
     print(
         f"imported {result['imported']} of {result['blocks']} blocks "
-        f"({result['present']} already present, {result['rejected']} without room)"
+        f"({result['present']} already present, {result['rejected']} without room, "
+        f"{result['evicted']} evicted again by later ones)"
     )
     return EXIT_OK
 

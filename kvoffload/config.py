@@ -99,9 +99,11 @@ class DiskTierConfig(TierConfig):
     """Directory holding the tier's files; created if missing. Relative paths are taken
     from the current directory. One writer process per directory."""
     fsync: bool = True
-    """``true``: fdatasync after every store batch, so a block whose store completed
-    survives power loss. ``false``: it survives a process crash (``kill -9``) but a
-    power cut may lose recent stores (never corrupt them: checksums catch torn data)."""
+    """``true``: flush to the device after every store batch, so a block whose store
+    completed survives power loss. ``false``: completed stores survive a process crash
+    (``kill -9``); a power cut may lose recent ones. The checksums keep a torn payload
+    from ever being served either way, but with ``false`` an LMDB environment itself
+    may be damaged by a power cut (LMDB's own caveat for unsynced writes)."""
 
 
 class MmapTierConfig(DiskTierConfig):

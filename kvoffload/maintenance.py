@@ -66,8 +66,18 @@ def _persistent_tiers(config: KVOffloadConfig, name: str | None) -> list[TierCon
 
 
 @contextmanager
-def _open(tier: TierConfig, layout: KVLayout) -> Iterator[Backend]:
-    backend = get_backend_class(tier.backend)(tier, layout)
+def _open(tier: TierConfig, layout: KVLayout, *, write: bool = False) -> Iterator[Backend]:
+    """Open an existing tier as it was written (see ``Backend.existing_config``):
+    never reformatted, resized or created by a tool that only looks."""
+    cls = get_backend_class(tier.backend)
+    existing = cls.existing_config(tier, write=write)
+    if existing is None:
+        raise ConfigError(
+            f"tier {tier.name!r}: nothing written at path = {getattr(tier, 'path', '?')!r} yet"
+        )
+    backend = cls(existing, layout)
+    if hasattr(backend, "record_access"):
+        backend.record_access = False  # a scan is not a use: keep the LRU order
     try:
         yield backend
     finally:
@@ -90,12 +100,21 @@ def inspect_tiers(config: KVOffloadConfig) -> dict[str, dict[str, Any]]:
             report[tier.name] = {"backend": tier.backend, "persistent": False, "blocks": 0}
             continue
         layout = tier_layout(tier, config)
+        if cls.existing_config(tier, write=False) is None:
+            report[tier.name] = {
+                "backend": tier.backend,
+                "persistent": True,
+                "blocks": 0,
+                "missing": True,
+            }
+            continue
         with _open(tier, layout) as backend:
             blocks = backend.recover()
             atimes = [b.atime for b in blocks]
             report[tier.name] = {
                 "backend": tier.backend,
                 "persistent": True,
+                "missing": False,
                 "blocks": len(blocks),
                 "bytes": len(blocks) * layout.bytes_per_block,
                 "capacity_blocks": backend.num_slots,
@@ -119,7 +138,10 @@ def verify_tiers(config: KVOffloadConfig, *, repair: bool = False) -> dict[str, 
     report: dict[str, dict[str, int]] = {}
     for tier in _persistent_tiers(config, None):
         layout = tier_layout(tier, config)
-        with _open(tier, layout) as backend:
+        if get_backend_class(tier.backend).existing_config(tier, write=False) is None:
+            report[tier.name] = {"blocks": 0, "ok": 0, "corrupt": 0, "repaired": 0}
+            continue
+        with _open(tier, layout, write=repair) as backend:
             blocks = backend.recover()
             counts = {"blocks": len(blocks), "ok": 0, "corrupt": 0, "repaired": 0}
             for part in _batches(len(blocks), layout):
@@ -151,6 +173,11 @@ def export_snapshot(config: KVOffloadConfig, out: Path, tier_name: str | None = 
         raise ConfigError("snapshot export: the config has no persistent tier (mmap, lmdb, ...)")
     tier = tiers[0]
     layout = tier_layout(tier, config)
+    if get_backend_class(tier.backend).existing_config(tier, write=False) is None:
+        raise ConfigError(
+            f"snapshot export: tier {tier.name!r} has nothing at path = "
+            f"{getattr(tier, 'path', '?')!r}; check tiers[].path"
+        )
     with _open(tier, layout) as backend:
         blocks = backend.recover()
         n_max = len(blocks)
@@ -211,8 +238,10 @@ def import_snapshot(
 ) -> dict[str, int]:
     """Pre-warm a persistent tier from a snapshot; refuse one of another layout.
 
-    Returns ``{blocks, imported, present, rejected}``: ``present`` were already in
-    the tier, ``rejected`` found no room (the tier is smaller than the snapshot).
+    Returns ``{blocks, imported, present, rejected, evicted}``: ``imported`` are held
+    when the import ends, ``present`` were already in the tier, ``rejected`` found no
+    room, ``evicted`` were imported and then pushed out by later ones (a snapshot
+    bigger than the tier).
     """
     from safetensors import safe_open
 
@@ -241,17 +270,28 @@ def import_snapshot(
         key_lens = snap.get_tensor("key_lens").tolist()
         keys = [BlockKey(bytes(key_bytes[i, :n].tolist())) for i, n in enumerate(key_lens)]
         blocks = snap.get_slice("blocks")
-        counts = {"blocks": len(keys), "imported": 0, "present": 0, "rejected": 0}
-        with _open(tier, layout) as backend:
+        counts = {"blocks": len(keys), "imported": 0, "present": 0, "rejected": 0, "evicted": 0}
+        cls = get_backend_class(tier.backend)
+        target = cls.existing_config(tier, write=True) or tier  # a new node: create it
+        imported: set[BlockKey] = set()
+        backend = cls(target, layout)
+        try:
             manager = LRUOffloadingManager(backend.slots, config.eviction, name=tier.name)
             manager.restore((b.key, b.slot) for b in backend.recover())
-            for part in _batches(len(keys), layout):
+            # Batches never larger than the tier, so an oversized snapshot still fills
+            # it; blocks come oldest access first, so the most recent ones stay.
+            step = min(max(1, BATCH_BYTES // layout.bytes_per_block), backend.num_slots)
+            for start in range(0, len(keys), step):
+                part = slice(start, min(len(keys), start + step))
                 batch_keys = keys[part]
                 plan = manager.prepare_store(batch_keys)
                 if plan is None:
                     counts["rejected"] += len(batch_keys)
                     continue
                 counts["present"] += len(batch_keys) - len(plan.keys_to_store)
+                # A snapshot bigger than the tier evicts its own earlier blocks.
+                counts["evicted"] += len(imported.intersection(plan.evicted))
+                imported.difference_update(plan.evicted)
                 if not plan.keys_to_store:
                     continue
                 rows = blocks[part.start : part.stop]
@@ -259,6 +299,9 @@ def import_snapshot(
                 src_rows = rows[torch.tensor([row_of[k] for k in plan.keys_to_store])]
                 backend.write(plan.slots, plan.keys_to_store, src_rows.contiguous())
                 manager.complete_store(plan.keys_to_store)
-                counts["imported"] += len(plan.keys_to_store)
+                imported.update(plan.keys_to_store)
+        finally:
+            backend.close()
+        counts["imported"] = len(imported)
     logger.info("imported %s from %s into tier %s", counts, src, tier.name)
     return counts

@@ -33,6 +33,12 @@ logger = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------- data
+DATA_SEED = 0x6B766F
+"""Seed of the block contents. Fixed, not the workload's ``--seed``: a block's bytes
+are a function of its key alone, so a persistent tier filled by one run is valid data
+for the next, whatever its seed (a warm restart, not a false integrity error)."""
+
+
 class BlockDataGenerator:
     """Deterministic contents for any key, at memcpy speed.
 
@@ -195,7 +201,7 @@ class StressRunner:
         self.layout = layout_from_config(config)
         self.workload = ZipfPrefixWorkload(self.cfg, self.seed)
         self.pool = BlockPool.allocate(self.layout, self.cfg.pool_blocks)
-        self.gen = BlockDataGenerator(self.layout.bytes_per_block, self.seed)
+        self.gen = BlockDataGenerator(self.layout.bytes_per_block, DATA_SEED)
         self.tiers: list[Tier] = build_tiers(config, self.layout)
         n = self.workload.max_blocks
         self.staging = self.pool.new_staging(n)
@@ -264,17 +270,20 @@ class StressRunner:
         slots = tier.manager.prepare_load(prefix)
         buf = self.staging[:hit]
         t0 = time.perf_counter()
+        failed = False
         try:
             ok = tier.backend.read(slots, prefix, buf)
         except BackendError:
+            # An I/O error says nothing about the stored blocks: a miss, not a drop.
             logger.warning("tier %s: read of %d blocks failed; treating as a miss", tier.name, hit)
-            ok = [False] * hit
+            ok, failed = [False] * hit, True
         trep.read_seconds += time.perf_counter() - t0
         valid = ok.index(False) if False in ok else hit
-        trep.corrupt_blocks += ok.count(False)
+        if not failed:
+            trep.corrupt_blocks += ok.count(False)
         tier.manager.touch(prefix[:valid])
         tier.manager.complete_load(prefix)
-        if valid < hit:
+        if valid < hit and not failed:
             # A corrupt or mismatched block is a miss, now and after a restart.
             tier.drop([key for key, good in zip(prefix, ok, strict=True) if not good])
         if valid == 0:

@@ -290,7 +290,7 @@ def test_damaged_records_are_dropped_at_recovery(tmp_path: Path) -> None:
     _edit(
         path,
         {
-            keys[0]: _flip(records[keys[0]], 20),  # a header byte (seq): its CRC fails
+            keys[0]: _flip(records[keys[0]], 20),  # a header byte (wtime): its CRC fails
             keys[1]: records[keys[1]][:-1],  # truncated payload
             keys[2]: records[keys[3]],  # the header of another key
             b"stray": b"not a record",
@@ -599,3 +599,25 @@ def test_a_forked_child_reopens_the_environment(tmp_path: Path) -> None:
     be.write(more, _keys(1, salt=10), _payload(1, seed=16))
     assert _read(be, more, _keys(1, salt=10))[0] == [True]
     be.close()
+
+
+def test_second_writer_on_same_dir_is_refused(tmp_path: Path) -> None:
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, block_size=2)
+    first = make_backend("lmdb", layout, 4, tmp_path)
+    code = (
+        "import sys; from pathlib import Path; from kvoffload.testing import make_backend;"
+        "from kvoffload.layout import KVLayout;"
+        "make_backend('lmdb', KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, block_size=2),"
+        " 4, Path(sys.argv[1]))"
+    )
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", code, str(tmp_path)],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+        )
+    finally:
+        first.close()
+    assert proc.returncode != 0
+    assert "in use by another writer" in proc.stderr

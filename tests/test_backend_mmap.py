@@ -179,7 +179,7 @@ def test_flipped_header_is_reclaimed_at_open(tmp_path: Path, gen: BlockDataGener
     slot = tier.manager.state(ks[4]).slot  # type: ignore[union-attr]
     tier.close()
     slab, _ = _slab(tmp_path / "t")
-    _flip(slab, ALIGN + slot * HEADER_BYTES + 40)  # inside the seq/time fields
+    _flip(slab, ALIGN + slot * HEADER_BYTES + 40)  # inside the layout fingerprint
     tier = open_tier(cfg)
     assert [tier.manager.lookup([k]) for k in ks] == [1, 1, 1, 1, 0, 1]
     tier.close()
@@ -230,7 +230,7 @@ def test_second_process_on_same_dir_is_refused(tmp_path: Path) -> None:
         [sys.executable, "-c", code, json.dumps(raw)], capture_output=True, text=True, cwd=tmp_path
     )
     assert proc.returncode != 0
-    assert "is in use by another process" in proc.stderr
+    assert "is in use by another writer process" in proc.stderr
     tier.close()
 
 

@@ -145,6 +145,7 @@ def test_snapshot_round_trip_is_bit_exact(tmp_path: Path, src: str, dst: str) ->
     assert import_snapshot(cfg_b, snap) == {
         "blocks": 25,
         "imported": 25,
+        "evicted": 0,
         "present": 0,
         "rejected": 0,
     }
@@ -187,3 +188,52 @@ def test_snapshot_of_another_layout_is_refused(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert "does not match tier 'disk'" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("backend", ["mmap", "lmdb"])
+def test_tools_never_reformat_or_shrink_a_tier(tmp_path: Path, backend: str) -> None:
+    """A config whose capacity changed must not cost data when only inspecting."""
+    cfg = load_config(raw_config(tmp_path / "t", backend))
+    fill(cfg, 30)
+    small = raw_config(tmp_path / "t", backend)
+    small["tiers"][0]["capacity"] = "64KiB"  # room for ~7 blocks: opening it would shrink
+    small_cfg = load_config(small)
+    assert inspect_tiers(small_cfg)["disk"]["blocks"] == 30
+    assert verify_tiers(small_cfg)["disk"]["ok"] == 30
+    assert inspect_tiers(cfg)["disk"]["blocks"] == 30  # still all there
+
+
+@pytest.mark.parametrize("backend", ["mmap", "lmdb"])
+def test_tools_do_not_create_missing_tiers(tmp_path: Path, backend: str) -> None:
+    cfg = load_config(raw_config(tmp_path / "nowhere", backend))
+    assert inspect_tiers(cfg)["disk"] == {
+        "backend": backend,
+        "persistent": True,
+        "blocks": 0,
+        "missing": True,
+    }
+    assert verify_tiers(cfg)["disk"]["blocks"] == 0
+    assert not (tmp_path / "nowhere").exists()
+
+
+def test_verify_leaves_access_order_alone(tmp_path: Path) -> None:
+    cfg = load_config(raw_config(tmp_path / "t"))
+    fill(cfg, 10)
+    before = inspect_tiers(cfg)["disk"]
+    verify_tiers(cfg)
+    after = inspect_tiers(cfg)["disk"]
+    assert (after["oldest"], after["newest"]) == (before["oldest"], before["newest"])
+
+
+def test_snapshot_bigger_than_the_tier_counts_what_it_evicted(tmp_path: Path) -> None:
+    cfg_a = load_config(raw_config(tmp_path / "a"))
+    fill(cfg_a, 60)
+    snap = tmp_path / "s.safetensors"
+    export_snapshot(cfg_a, snap)
+    small = raw_config(tmp_path / "b")
+    small["tiers"][0]["capacity"] = 20 * (8192 + HEADER_BYTES)  # 20 slots
+    counts = import_snapshot(load_config(small), snap)
+    assert counts["blocks"] == 60
+    assert counts["imported"] == 20
+    assert counts["imported"] + counts["evicted"] + counts["rejected"] == 60
+    assert inspect_tiers(load_config(small))["disk"]["blocks"] == 20

@@ -197,3 +197,20 @@ def test_cli_stress_with_bad_config_exits_2_without_traceback(tmp_path: Path) ->
 def test_default_config_is_valid() -> None:
     cfg = load_config(REPO / "configs" / "default.yaml")
     assert [t.backend for t in cfg.tiers] == ["cpu"]
+
+
+def test_disk_tier_is_warm_for_the_next_run_whatever_its_seed(tmp_path: Path) -> None:
+    """Block bytes depend on the key alone, so a second run (another seed, a reopened
+    tier) hits what the first stored, and every hit verifies."""
+    tiers = [{"name": "ssd", "backend": "mmap", "path": str(tmp_path / "t"), "capacity": "8MiB"}]
+    first = _run(_config(tiers), ops=150, seed=1)
+    runner = StressRunner(load_config(_config(tiers)), seed=2)
+    try:
+        held_at_start = len(runner.tiers[0].manager)
+        second = runner.run(ops=150, duration_s=60)
+    finally:
+        runner.close()
+    assert first.integrity_errors == 0
+    assert held_at_start == first.blocks_stored
+    assert second.integrity_errors == 0
+    assert second.blocks_loaded > 0
