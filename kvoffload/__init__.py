@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from kvoffload.layout import KVLayout
     from kvoffload.lru_manager import LRUOffloadingManager
     from kvoffload.manager import OffloadingEvent, OffloadingManager, PrepareStoreOutput
+    from kvoffload.transfer import JobResult, TransferStats, TransferWorker
 
 # Public name -> module. Imported on first use (PEP 562), so `kvoffload config
 # validate` does not pay for importing torch.
@@ -54,6 +55,9 @@ _LAZY = {
     "OffloadingEvent": "manager",
     "OffloadingManager": "manager",
     "PrepareStoreOutput": "manager",
+    "JobResult": "transfer",
+    "TransferStats": "transfer",
+    "TransferWorker": "transfer",
 }
 
 
@@ -80,6 +84,9 @@ __all__ = [
     "OffloadingEvent",
     "OffloadingManager",
     "PrepareStoreOutput",
+    "JobResult",
+    "TransferStats",
+    "TransferWorker",
     "RegistryError",
     "__version__",
     "chain_block_keys",

@@ -60,6 +60,13 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--seed", type=int, default=None, help="workload and data seed")
     st.add_argument("--json", type=Path, default=None, help="write the report as JSON here")
     st.add_argument("--no-progress", action="store_true", help="no progress bar")
+    st.add_argument(
+        "--workload",
+        choices=["zipf", "multiturn", "scan", "trace"],
+        default=None,
+        help="request stream (config: stress.workload)",
+    )
+    st.add_argument("--trace", type=Path, default=None, help="replay a JSONL trace (Mooncake)")
 
     ins = sub.add_parser("inspect", help="blocks, bytes, ages and fill of each tier")
     ins.add_argument("--config", type=Path, default=None)
@@ -143,6 +150,12 @@ def _stress(args: argparse.Namespace) -> int:
     from kvoffload.stress import StressRunner
 
     config = load_config(args.config)
+    if args.workload is not None or args.trace is not None:
+        stress = config.stress.model_dump()
+        stress["workload"] = args.workload or "trace"
+        if args.trace is not None:
+            stress["trace"] = str(args.trace)
+        config = load_config({**config.model_dump(), "stress": stress})
     ops = args.ops if args.ops is not None else config.stress.ops
     duration = args.duration if args.duration is not None else config.stress.duration_s
     if ops <= 0 or duration <= 0:

@@ -274,15 +274,37 @@ class StressConfig(BaseModel):
     """Most blocks a shared prefix has; each request reuses a random leading part."""
     suffix_blocks: int = Field(default=4, ge=0)
     """Blocks unique to each request, after its shared prefix."""
+    workload: Literal["zipf", "multiturn", "scan", "trace"] = "zipf"
+    """Request stream (``--workload``): ``zipf`` shared prefixes, ``multiturn`` chat
+    sessions growing turn by turn, ``scan`` no reuse at all (the worst case), ``trace``
+    a JSONL request trace in the Mooncake format (``trace``)."""
+    trace: str | None = None
+    """JSONL trace file for ``workload: trace`` (``--trace``); each hash_id is one block."""
+    sessions: int = Field(default=16, gt=0)
+    """``multiturn``: chat sessions in flight at once."""
+    turn_blocks: int = Field(default=2, gt=0)
+    """``multiturn``: blocks each turn appends to its session's history."""
+    max_turns: int = Field(default=12, gt=0)
+    """``multiturn``: turns after which a session ends and a new one starts."""
+    scan_blocks: int = Field(default=16, gt=0)
+    """``scan``: blocks per request, all of them new."""
 
     @model_validator(mode="after")
     def _pool_fits_a_request(self) -> StressConfig:
-        need = self.prefix_blocks + self.suffix_blocks
-        if self.pool_blocks < need:
+        # A trace's longest request is known only once the file is read: the stress
+        # runner checks it then.
+        need = {
+            "zipf": (self.prefix_blocks + self.suffix_blocks, "prefix_blocks + suffix_blocks"),
+            "multiturn": (self.turn_blocks * self.max_turns, "turn_blocks x max_turns"),
+            "scan": (self.scan_blocks, "scan_blocks"),
+        }.get(self.workload)
+        if need is not None and self.pool_blocks < need[0]:
             raise ValueError(
-                f"pool_blocks = {self.pool_blocks} cannot hold one request of up to {need} "
-                f"blocks (prefix_blocks + suffix_blocks); set pool_blocks >= {need}"
+                f"pool_blocks = {self.pool_blocks} cannot hold one request of up to {need[0]} "
+                f"blocks ({need[1]}); set pool_blocks >= {need[0]}"
             )
+        if self.workload == "trace" and not self.trace:
+            raise ValueError("workload = 'trace' needs trace: a JSONL trace file (or --trace)")
         return self
 
 

@@ -1,7 +1,8 @@
 """``kvoffload stress``: a seeded offload workload whose every loaded block is checked.
 
 A simulated engine: a :class:`~kvoffload.blockpool.BlockPool` stands in for the GPU
-block pool, requests share prefixes drawn from a Zipf distribution, and each request
+block pool, requests come from a :mod:`~kvoffload.workloads` stream (Zipf shared
+prefixes, multi-turn chat, a no-reuse scan, or a replayed trace), and each request
 (1) loads the longest prefix any tier holds into pool blocks, (2) "prefills" the rest
 with deterministic data, (3) stores its blocks into every tier (write-through). Every
 block loaded back is compared bit for bit with what the generator says it must be; a
@@ -14,10 +15,10 @@ the workload, generator and report stay.
 from __future__ import annotations
 
 import logging
-import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,9 +26,10 @@ import torch
 from kvoffload.blockpool import BlockPool
 from kvoffload.config import KVOffloadConfig, StressConfig
 from kvoffload.exceptions import BackendError, BlockStateError
-from kvoffload.keys import ROOT_KEY, BlockKey, chain_key
+from kvoffload.keys import BlockKey
 from kvoffload.layout import KVLayout
 from kvoffload.tier import Tier, build_tiers
+from kvoffload.workloads import Workload, make_workload
 
 logger = logging.getLogger(__name__)
 
@@ -65,54 +67,29 @@ class BlockDataGenerator:
         return torch.equal(row, scratch)
 
 
-# ------------------------------------------------------------------------- workload
-class ZipfPrefixWorkload:
-    """Requests = a leading part of a popular shared prefix + blocks of their own.
-
-    Prefix ``k`` (0-based) is picked with weight ``1/(k+1)**alpha``; its blocks' keys
-    chain from the prefix id, so any two requests on one prefix share leading keys.
-    """
-
-    def __init__(self, cfg: StressConfig, seed: int) -> None:
-        self.cfg = cfg
-        self.rng = random.Random(seed)
-        weights = [1.0 / (k + 1) ** cfg.zipf_alpha for k in range(cfg.prefixes)]
-        self._cum = list(_accumulate(weights))
-        self._chains: dict[int, list[BlockKey]] = {}
-        self._count = 0
-
-    @property
-    def max_blocks(self) -> int:
-        return self.cfg.prefix_blocks + self.cfg.suffix_blocks
-
-    def _chain(self, prefix: int) -> list[BlockKey]:
-        chain = self._chains.get(prefix)
-        if chain is None:
-            parent = chain_key(ROOT_KEY, b"prefix-%d" % prefix)
-            chain = []
-            for i in range(self.cfg.prefix_blocks):
-                parent = chain_key(parent, i.to_bytes(4, "little"))
-                chain.append(parent)
-            self._chains[prefix] = chain
-        return chain
-
-    def next(self) -> list[BlockKey]:
-        prefix = self.rng.choices(range(self.cfg.prefixes), cum_weights=self._cum)[0]
-        n_prefix = self.rng.randint(1, self.cfg.prefix_blocks)
-        keys = list(self._chain(prefix)[:n_prefix])
-        parent = keys[-1]
-        self._count += 1
-        for i in range(self.cfg.suffix_blocks):
-            parent = chain_key(parent, b"req%d:%d" % (self._count, i))
-            keys.append(parent)
-        return keys
-
-
-def _accumulate(values: list[float]) -> Iterator[float]:
-    total = 0.0
-    for v in values:
-        total += v
-        yield total
+def workload_from_config(cfg: StressConfig, seed: int) -> Workload:
+    """The request stream ``cfg`` selects (see :mod:`kvoffload.workloads`)."""
+    if cfg.workload == "zipf":
+        return make_workload(
+            "zipf",
+            prefixes=cfg.prefixes,
+            zipf_alpha=cfg.zipf_alpha,
+            prefix_blocks=cfg.prefix_blocks,
+            suffix_blocks=cfg.suffix_blocks,
+            seed=seed,
+        )
+    if cfg.workload == "multiturn":
+        return make_workload(
+            "multiturn",
+            sessions=cfg.sessions,
+            turn_blocks=cfg.turn_blocks,
+            max_turns=cfg.max_turns,
+            seed=seed,
+        )
+    if cfg.workload == "scan":
+        return make_workload("scan", blocks=cfg.scan_blocks, seed=seed)
+    assert cfg.trace is not None  # the config validator requires it
+    return make_workload("trace", path=Path(cfg.trace), max_blocks=cfg.pool_blocks)
 
 
 # --------------------------------------------------------------------------- report
@@ -151,6 +128,7 @@ class StressReport:
     """Outcome of ``kvoffload stress``; :meth:`to_json` is the ``--json`` schema."""
 
     seed: int
+    workload: str
     layout: dict[str, Any]
     bytes_per_block: int
     ops: int = 0
@@ -199,7 +177,7 @@ class StressRunner:
         self.cfg = config.stress
         self.seed = self.cfg.seed if seed is None else seed
         self.layout = layout_from_config(config)
-        self.workload = ZipfPrefixWorkload(self.cfg, self.seed)
+        self.workload = workload_from_config(self.cfg, self.seed)
         self.pool = BlockPool.allocate(self.layout, self.cfg.pool_blocks)
         self.gen = BlockDataGenerator(self.layout.bytes_per_block, DATA_SEED)
         self.tiers: list[Tier] = build_tiers(config, self.layout)
@@ -209,6 +187,7 @@ class StressRunner:
         self.scratch = torch.empty(self.layout.bytes_per_block, dtype=torch.uint8)
         self.report = StressReport(
             seed=self.seed,
+            workload=self.cfg.workload,
             layout=self.layout.to_dict(),
             bytes_per_block=self.layout.bytes_per_block,
             tiers=[
@@ -226,7 +205,8 @@ class StressRunner:
         start = time.perf_counter()
         deadline = start + duration_s
         rep = self.report
-        while rep.ops < ops and time.perf_counter() < deadline:
+        workload = self.workload
+        while rep.ops < ops and time.perf_counter() < deadline and not workload.exhausted:
             self._one_request(self.workload.next())
             rep.ops += 1
             if progress is not None:

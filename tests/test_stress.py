@@ -214,3 +214,66 @@ def test_disk_tier_is_warm_for_the_next_run_whatever_its_seed(tmp_path: Path) ->
     assert held_at_start == first.blocks_stored
     assert second.integrity_errors == 0
     assert second.blocks_loaded > 0
+
+
+TRACE = Path(__file__).parent / "data" / "mooncake_conversation_head2000.jsonl"
+
+
+@pytest.mark.parametrize(
+    ("workload", "extra", "reuse"),
+    [
+        ("multiturn", {"sessions": 4, "turn_blocks": 1, "max_turns": 8}, True),
+        ("scan", {"scan_blocks": 6}, False),
+        ("trace", {"trace": str(TRACE)}, True),
+    ],
+)
+def test_each_workload_is_clean_and_hits_only_where_reuse_exists(
+    workload: str, extra: dict[str, Any], reuse: bool
+) -> None:
+    raw = _config([{"name": "cpu", "backend": "cpu", "capacity": 400 * BLOCK}])
+    raw["stress"] = {**SMALL_STRESS, "pool_blocks": 256, "workload": workload, **extra}
+    rep = _run(raw, ops=200)
+    assert rep.workload == workload
+    assert rep.integrity_errors == 0
+    assert rep.ops == 200
+    if reuse:
+        assert rep.hit_rate > 0
+    else:
+        assert rep.hit_rate == 0.0
+
+
+def test_cli_trace_flag_replays_the_trace(tmp_path: Path) -> None:
+    cfg = tmp_path / "s.yaml"
+    raw = _config([{"name": "cpu", "backend": "cpu", "capacity": "4MiB"}])
+    raw["stress"] = {**SMALL_STRESS, "pool_blocks": 256}
+    cfg.write_text(yaml.safe_dump(raw))
+    out = tmp_path / "r.json"
+    proc = subprocess.run(
+        [
+            str(KVOFFLOAD),
+            "stress",
+            "--config",
+            str(cfg),
+            "--trace",
+            str(TRACE),
+            "--ops",
+            "50",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert report["workload"] == "trace"
+    assert report["ops"] == 50
+    assert report["integrity_errors"] == 0
+
+
+def test_trace_workload_without_a_file_is_a_config_error() -> None:
+    raw = _config([{"name": "cpu", "backend": "cpu", "capacity": "1MiB"}])
+    raw["stress"] = {**SMALL_STRESS, "workload": "trace"}
+    with pytest.raises(ConfigError, match=r"stress = .*workload = 'trace' needs trace"):
+        load_config(raw)
