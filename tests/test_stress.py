@@ -29,6 +29,14 @@ SMALL_STRESS: dict[str, Any] = {
 BLOCK = 2 * 2 * 16 * 2 * 32 * 2  # 8 KiB
 
 
+def _stress_cli(out: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], Any]:
+    """Run ``kvoffload stress ARGS --json OUT``; assert success; return the JSON report."""
+    cmd = [str(KVOFFLOAD), "stress", *args, "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc, json.loads(out.read_text())
+
+
 def _config(tiers: list[dict[str, Any]], eviction: str = "lru") -> dict[str, Any]:
     return {"tiers": tiers, "eviction": eviction, "stress": SMALL_STRESS}
 
@@ -159,25 +167,7 @@ def test_cli_stress_duration_bounds_the_run(tmp_path: Path) -> None:
     cfg = tmp_path / "s.yaml"
     cfg.write_text(yaml.safe_dump(_config([{"name": "cpu", "backend": "cpu", "capacity": "1MiB"}])))
     out = tmp_path / "r.json"
-    proc = subprocess.run(
-        [
-            str(KVOFFLOAD),
-            "stress",
-            "--config",
-            str(cfg),
-            "--ops",
-            "100000000",
-            "--duration",
-            "1",
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads(out.read_text())
+    _, report = _stress_cli(out, "--config", str(cfg), "--ops", "100000000", "--duration", "1")
     assert 0 < report["ops"] < 100000000
     assert report["duration_s"] < 5
 
@@ -248,25 +238,7 @@ def test_cli_trace_flag_replays_the_trace(tmp_path: Path) -> None:
     raw["stress"] = {**SMALL_STRESS, "pool_blocks": 256}
     cfg.write_text(yaml.safe_dump(raw))
     out = tmp_path / "r.json"
-    proc = subprocess.run(
-        [
-            str(KVOFFLOAD),
-            "stress",
-            "--config",
-            str(cfg),
-            "--trace",
-            str(TRACE),
-            "--ops",
-            "50",
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads(out.read_text())
+    _, report = _stress_cli(out, "--config", str(cfg), "--trace", str(TRACE), "--ops", "50")
     assert report["workload"] == "trace"
     assert report["ops"] == 50
     assert report["integrity_errors"] == 0
