@@ -41,15 +41,21 @@ def _lbhnc_views(
     return [buf[i * per_layer : (i + 1) * per_layer].view(blocks, h, n, c) for i in range(layers)]
 
 
+def _fill(caches: list[torch.Tensor], seed: int) -> None:
+    """Random contents for every layer (int8 byte views get random bytes)."""
+    for i, t in enumerate(caches):
+        if t.dtype == torch.int8:
+            gen = torch.Generator().manual_seed(seed + i)
+            t.copy_(torch.randint(-128, 127, t.shape, dtype=torch.int8, generator=gen))
+        else:
+            _random_(t, seed=seed + i)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind", ["canonical", "flash", "lbhnc"])
 def test_get_put_round_trip(kind: str, dtype: torch.dtype) -> None:
     caches, block_dim = _pools(dtype)[kind]
-    for i, t in enumerate(caches):
-        if t.dtype == torch.int8:
-            t.copy_(torch.randint(-128, 127, t.shape, dtype=torch.int8))
-        else:
-            _random_(t, seed=i)
+    _fill(caches, seed=0)
     pool = BlockPool(caches, block_dim=block_dim)
     kv = pool.get_kv_from_block(3)
     assert len(kv) == 3
@@ -69,11 +75,7 @@ def test_get_put_round_trip(kind: str, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("kind", ["canonical", "flash", "lbhnc"])
 def test_gather_scatter_round_trip(kind: str, dtype: torch.dtype) -> None:
     src_caches, block_dim = _pools(dtype)[kind]
-    for i, t in enumerate(src_caches):
-        if t.dtype == torch.int8:
-            t.copy_(torch.randint(-128, 127, t.shape, dtype=torch.int8))
-        else:
-            _random_(t, seed=10 + i)
+    _fill(src_caches, seed=10)
     src = BlockPool(src_caches, block_dim=block_dim)
     dst_caches, _ = _pools(dtype)[kind]
     for t in dst_caches:
