@@ -22,6 +22,11 @@ Speed: slots named in a batch are sorted, and runs of adjacent slots become one
 released during the syscall. A thread pool rather than ``aiofiles``: ``aiofiles`` runs
 the same syscalls in a thread pool, behind an event loop we have no other use for
 (see docs/benchmarks.md).
+
+Threads: writes, reads and discards of disjoint slots may run at once from several
+threads (the transfer worker's store and load lanes). Each I/O run borrows its own
+bounce buffer; ``_lock`` guards only in-memory state (header tables, counters) and is
+never held across I/O, so a load never waits for a store's ``fdatasync``.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ import time
 import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
@@ -91,6 +96,9 @@ class _SlabFile:
     headers: np.ndarray[Any, np.dtype[np.void]]  # slot -> header, over ``header_buf``
     header_buf: mmap.mmap
     data_offset: int
+    io_lock: threading.Lock = field(default_factory=threading.Lock)
+    """Held from snapshotting header pages until they are written, so the table on
+    disk only ever moves forward (see :meth:`MmapBackend._write_header_pages`)."""
 
     @property
     def table_bytes(self) -> int:
@@ -120,7 +128,10 @@ class MmapBackend(Backend):
         """Whether loads refresh ``atime``; maintenance scans turn it off so that a
         ``verify`` does not flatten the LRU order a restart will restore."""
         self._warned_corrupt = False
-        self._lock = threading.Lock()  # header table and counters
+        # The in-memory header tables, ``_seq``, ``_dirty_pages`` and the counters. Held
+        # for memory work only, never across I/O: a load updating ``atime`` must not
+        # wait for a concurrent store's header write and fdatasync.
+        self._lock = threading.Lock()
         self._seq = 0
         self._dirty_pages: set[tuple[int, int]] = set()  # (file, page) with atime changes
         self._recovered: list[RecoveredBlock] = []
@@ -137,9 +148,9 @@ class MmapBackend(Backend):
             "on" if config.fsync else "off",
         )
         self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix=f"kvo-{self.name}")
-        bounce_bytes = max(MAX_RUN_BYTES, self.stride)
+        self._bounce_bytes = max(MAX_RUN_BYTES, self.stride)
         self._bounce: list[mmap.mmap] = [
-            _aligned_buffer(bounce_bytes) for _ in range(config.io_threads)
+            _aligned_buffer(self._bounce_bytes) for _ in range(config.io_threads)
         ]
         self._bounce_lock = threading.Lock()
         self.files: list[_SlabFile] = []
@@ -395,18 +406,16 @@ class MmapBackend(Backend):
                     checksum=checksums[i],
                 )
                 touched.setdefault(f.index, set()).add(local * HEADER_BYTES // ALIGN)
-            try:
-                for index, pages in touched.items():
-                    self._write_header_pages(self.files[index], sorted(pages))
-                    if self.cfg.fsync:
-                        os.fdatasync(self.files[index].fd)
-            except OSError as exc:
-                # Headers may be half on disk; the in-memory ones of this batch must not
-                # be trusted either. Clear them so the slots read as empty.
+        try:
+            self._persist_header_pages(touched)
+        except OSError as exc:
+            # Headers may be half on disk; the in-memory ones of this batch must not
+            # be trusted either. Clear them so the slots read as empty.
+            with self._lock:
                 for slot in slots:
                     f, local = self._locate(slot)
                     f.headers[local] = np.zeros((), dtype=HEADER_DTYPE)
-                raise BackendError(f"tier {self.name!r}: header write failed: {exc}") from exc
+            raise BackendError(f"tier {self.name!r}: header write failed: {exc}") from exc
 
     def read(self, slots: Sequence[int], keys: Sequence[BlockKey], dst: torch.Tensor) -> list[bool]:
         self.check_batch(slots, keys, dst)
@@ -457,8 +466,7 @@ class MmapBackend(Backend):
         return valid
 
     def discard(self, slots: Sequence[int]) -> None:
-        with self._lock:
-            self._clear_headers(list(slots))
+        self._clear_headers(list(slots))
 
     def check(self) -> list[str]:
         problems = super().check()
@@ -597,37 +605,73 @@ class MmapBackend(Backend):
     def _bounce_buffer(self) -> _Bounce:
         return _Bounce(self)
 
+    def _persist_header_pages(self, touched: dict[int, set[int]]) -> None:
+        """Write the given header pages of each file (file index -> pages), then, with
+        ``fsync`` on, ``fdatasync`` the file. Call without holding ``_lock``."""
+        for index, pages in touched.items():
+            f = self.files[index]
+            self._write_header_pages(f, sorted(pages))
+            if self.cfg.fsync:
+                # Outside ``io_lock``: it makes durable whatever was written before it,
+                # this batch's pages included, and concurrent stores' syncs may overlap.
+                os.fdatasync(f.fd)
+
     def _write_header_pages(self, f: _SlabFile, pages: list[int]) -> None:
-        """Write whole 4 KiB pages of the header table (coalescing adjacent ones)."""
-        buf = memoryview(f.header_buf)
+        """Write whole 4 KiB pages of the header table (coalescing adjacent ones).
+
+        Other threads change the table meanwhile (stores fill headers, loads refresh
+        ``atime``), always under ``_lock``; the pages are therefore copied under it and
+        written from the copy, so no header is torn by a change in flight. ``io_lock``
+        spans copy and write: a later copy is never overwritten on disk by an earlier
+        one, so a header that reached the table is on disk after any later write of
+        its page."""
+        ranges: list[tuple[int, int]] = []
         start = prev = pages[0]
         for page in [*pages[1:], None]:
             if page is not None and page == prev + 1:
                 prev = page
                 continue
-            lo, hi = start * ALIGN, (prev + 1) * ALIGN
-            if os.pwrite(f.fd, buf[lo:hi], ALIGN + lo) != hi - lo:
-                raise OSError(errno.ENOSPC, f"short header write in {f.path.name}")
+            ranges.append((start * ALIGN, (prev + 1) * ALIGN))
             if page is not None:
                 start = prev = page
+        written = {(f.index, p) for p in pages}
+        with f.io_lock:
+            copies: list[tuple[int, mmap.mmap]] = []
+            try:
+                with self._lock, memoryview(f.header_buf) as table:
+                    for lo, hi in ranges:
+                        copy = _aligned_buffer(hi - lo)  # page-aligned, as O_DIRECT wants
+                        copies.append((lo, copy))
+                        copy[:] = table[lo:hi]
+                    # The ``atime`` changes these pages held go out with them.
+                    cleaned = written & self._dirty_pages
+                    self._dirty_pages -= cleaned
+                try:
+                    for lo, copy in copies:
+                        if os.pwrite(f.fd, copy, ALIGN + lo) != len(copy):
+                            raise OSError(errno.ENOSPC, f"short header write in {f.path.name}")
+                except OSError:
+                    with self._lock:
+                        self._dirty_pages |= cleaned
+                    raise
+            finally:
+                for _, copy in copies:
+                    copy.close()
 
     def _clear_headers(self, slots: list[int]) -> None:
         touched: dict[int, set[int]] = {}
-        for slot in slots:
-            f, local = self._locate(slot)
-            f.headers[local] = np.zeros((), dtype=HEADER_DTYPE)
-            touched.setdefault(f.index, set()).add(local * HEADER_BYTES // ALIGN)
-        for index, pages in touched.items():
-            self._write_header_pages(self.files[index], sorted(pages))
-            if self.cfg.fsync:
-                os.fdatasync(self.files[index].fd)
+        with self._lock:
+            for slot in slots:
+                f, local = self._locate(slot)
+                f.headers[local] = np.zeros((), dtype=HEADER_DTYPE)
+                touched.setdefault(f.index, set()).add(local * HEADER_BYTES // ALIGN)
+        self._persist_header_pages(touched)
 
     def _flush_atimes(self, f: _SlabFile) -> None:
-        pages = sorted(p for i, p in self._dirty_pages if i == f.index)
-        if not pages:
-            return
-        self._write_header_pages(f, pages)
-        self._dirty_pages = {(i, p) for i, p in self._dirty_pages if i != f.index}
+        with self._lock:
+            pages = sorted(p for i, p in self._dirty_pages if i == f.index)
+        if pages:
+            self._write_header_pages(f, pages)
 
 
 class _Bounce:
@@ -639,7 +683,10 @@ class _Bounce:
 
     def __enter__(self) -> mmap.mmap:
         with self.backend._bounce_lock:
-            self.buf = self.backend._bounce.pop()
+            free = self.backend._bounce
+            # One buffer per I/O thread, so the list is empty only if runs are issued
+            # from elsewhere too; never share one then: a new buffer is merely slower.
+            self.buf = free.pop() if free else _aligned_buffer(self.backend._bounce_bytes)
         return self.buf
 
     def __exit__(self, *exc: object) -> None:

@@ -13,6 +13,18 @@ under the tier's ``path`` (existing data is never touched):
 The page cache is dropped before every load measurement when the process may
 (root); otherwise a buffered tier's load figure is the page cache's, and the report
 says so. Runs in its own process, not beside an engine.
+
+Two parts need no tier of the config and run first, whatever it holds (and alone with
+``disk=False``), because they are seconds where the disk part is minutes:
+
+- **manager** (:mod:`kvoffload.bench_manager`): scheduler-side ns per block of our
+  manager against vLLM's CPU offloading manager with its LRU policy, on a Mooncake
+  trace; top-level ``manager_ns_per_block``, ``vllm_lru_ns_per_block`` and
+  ``manager_vs_vllm_lru`` (ours / theirs), details under ``manager``;
+- **cpu** (:mod:`kvoffload.bench_cpu`): ``BlockPool.gather`` / ``scatter`` and the cpu
+  tier against a plain torch copy, per block size under ``cpu_ratios``; top-level
+  ``cpu_gather_ratio`` / ``cpu_scatter_ratio`` are the minimum over blocks of 64 KiB
+  and more.
 """
 
 from __future__ import annotations
@@ -24,11 +36,14 @@ import shutil
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from os import PathLike
 from pathlib import Path
 from typing import Any, Final
 
 import torch
 
+from kvoffload.bench_cpu import bench_cpu
+from kvoffload.bench_manager import DEFAULT_CAPACITY, DEFAULT_TRACE, bench_manager
 from kvoffload.blockpool import byte_view, page_aligned_empty
 from kvoffload.config import KVOffloadConfig, TierConfig
 from kvoffload.keys import BlockKey, chain_key
@@ -249,8 +264,65 @@ def run_bench(
     total_bytes: int = 512 * 1024 * 1024,
     reps: int = 3,
     progress: Callable[[str], None] | None = None,
+    disk: bool = True,
+    trace: str | PathLike[str] | None = None,
+    manager_capacity: int = DEFAULT_CAPACITY,
+    cpu_total_bytes: int = 256 * 1024 * 1024,
 ) -> dict[str, Any]:
-    """Benchmark every persistent tier at every block size; the ``--json`` schema."""
+    """The manager and cpu parts, then (``disk``) every persistent tier at every block
+    size; the ``--json`` schema. ``trace`` defaults to the checkout's Mooncake slice;
+    when that is absent (an installed package) the manager figures are ``None``."""
+    report: dict[str, Any] = {"total_bytes": total_bytes, "reps": reps}
+    if progress is not None:
+        progress(f"manager: ours vs vLLM's LRU, {manager_capacity} blocks of capacity")
+    manager = _manager_part(trace, manager_capacity, reps)
+    report["manager"] = manager
+    for key in ("manager_ns_per_block", "vllm_lru_ns_per_block", "manager_vs_vllm_lru"):
+        report[key] = manager[key] if manager is not None else None
+    if progress is not None:
+        progress("cpu: gather / scatter vs a plain torch copy")
+    report.update(bench_cpu(total_bytes=cpu_total_bytes, repeat=reps))
+    report["tiers"] = _disk_rows(config, sizes, total_bytes, reps, progress) if disk else []
+    report.update(_chain_part(config, total_bytes, progress) if disk else _NO_CHAIN)
+    return report
+
+
+_NO_CHAIN: Final[dict[str, Any]] = {"chain_store_ratio": None, "chain_store_gbps": None}
+
+
+def _chain_part(
+    config: KVOffloadConfig, total_bytes: int, progress: Callable[[str], None] | None
+) -> dict[str, Any]:
+    """pool -> cpu -> the config's first mmap tier, write-through (see bench_chain)."""
+    from kvoffload.bench_chain import bench_chain
+
+    mmap_tiers = [t for t in config.resolved_tiers() if t.backend == "mmap"]
+    if not mmap_tiers:
+        logger.warning("chain not benchmarked: the config has no mmap tier")
+        return dict(_NO_CHAIN)
+    if progress is not None:
+        progress(f"chain: pool -> cpu -> {mmap_tiers[0].name} (write-through) vs raw write")
+    return bench_chain(mmap_tiers[0], total_bytes=max(total_bytes, 256 * 1024 * 1024))
+
+
+def _manager_part(
+    trace: str | PathLike[str] | None, capacity: int, reps: int
+) -> dict[str, Any] | None:
+    if trace is None:
+        if not DEFAULT_TRACE.is_file():
+            logger.warning("manager not benchmarked: no trace at %s (pass one)", DEFAULT_TRACE)
+            return None
+        trace = DEFAULT_TRACE
+    return bench_manager(trace, capacity=capacity, reps=reps)
+
+
+def _disk_rows(
+    config: KVOffloadConfig,
+    sizes: Sequence[int],
+    total_bytes: int,
+    reps: int,
+    progress: Callable[[str], None] | None,
+) -> list[dict[str, Any]]:
     rows = []
     for tier in config.resolved_tiers():
         if not get_backend_class(tier.backend).persistent:
@@ -265,4 +337,4 @@ def run_bench(
         v_store, v_load = row["vllm_fs_store_gbps"], row["vllm_fs_load_gbps"]
         row["store_vs_vllm_fs"] = row["store_gbps"] / v_store if v_store else None
         row["load_vs_vllm_fs"] = row["load_gbps"] / v_load if v_load else None
-    return {"total_bytes": total_bytes, "reps": reps, "tiers": rows}
+    return rows

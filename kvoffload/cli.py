@@ -5,7 +5,8 @@
 - ``kvoffload backends``: installed backends and where they come from;
 - ``kvoffload stress``: the seeded offload stress run (see :mod:`kvoffload.stress`);
 - ``kvoffload inspect`` / ``verify``: what persistent tiers hold, and whether it is intact;
-- ``kvoffload bench``: disk-tier throughput against raw O_DIRECT and vLLM's fs tier;
+- ``kvoffload bench``: disk-tier throughput against raw O_DIRECT and vLLM's fs tier,
+  manager cost against vLLM's, gather/scatter against a plain copy;
 - ``kvoffload snapshot export|import``: move a tier's blocks through a safetensors file.
 
 Expected failures (bad config, broken plugin) print one line on stderr and exit 2,
@@ -21,9 +22,9 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from kvoffload.config import config_schema, load_config
+from kvoffload.config import LAYOUT_PRESETS, config_schema, load_config
 from kvoffload.exceptions import KVOffloadError
 
 if TYPE_CHECKING:
@@ -67,6 +68,21 @@ def _parser() -> argparse.ArgumentParser:
         help="request stream (config: stress.workload)",
     )
     st.add_argument("--trace", type=Path, default=None, help="replay a JSONL trace (Mooncake)")
+    st.add_argument(
+        "--concurrency", type=int, default=None, help="requests in flight (stress.concurrency)"
+    )
+    st.add_argument(
+        "--preset",
+        choices=sorted(LAYOUT_PRESETS),
+        default=None,
+        help="simulated model layout (stress.preset)",
+    )
+    st.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help="PNG of throughput and hit rate over time (needs the 'plot' extra: matplotlib)",
+    )
 
     ins = sub.add_parser("inspect", help="blocks, bytes, ages and fill of each tier")
     ins.add_argument("--config", type=Path, default=None)
@@ -86,6 +102,12 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--reps", type=int, default=3, help="tries per measurement; best kept")
     bench.add_argument(
         "--sizes", default="16KiB,64KiB,256KiB,2MiB", help="comma-separated block sizes"
+    )
+    bench.add_argument(
+        "--skip-disk", action="store_true", help="only the manager and cpu parts, no disk tier"
+    )
+    bench.add_argument(
+        "--trace", type=Path, default=None, help="JSONL trace (Mooncake) for the manager part"
     )
 
     snap = sub.add_parser("snapshot", help="export or import a tier as safetensors")
@@ -150,12 +172,26 @@ def _stress(args: argparse.Namespace) -> int:
     from kvoffload.stress import StressRunner
 
     config = load_config(args.config)
+    overrides: dict[str, Any] = {}
     if args.workload is not None or args.trace is not None:
-        stress = config.stress.model_dump()
-        stress["workload"] = args.workload or "trace"
+        overrides["workload"] = args.workload or "trace"
         if args.trace is not None:
-            stress["trace"] = str(args.trace)
-        config = load_config({**config.model_dump(), "stress": stress})
+            overrides["trace"] = str(args.trace)
+    if args.concurrency is not None:
+        if args.concurrency < 1:
+            raise _usage(f"--concurrency = {args.concurrency}: it must be at least 1")
+        overrides["concurrency"] = args.concurrency
+    if args.preset is not None:
+        overrides["preset"] = args.preset
+    if overrides:
+        stress = config.stress.model_dump(exclude_unset=True)
+        if "preset" in overrides:
+            stress.pop("layout", None)  # the flag names the whole layout
+        config = load_config({**config.model_dump(), "stress": {**stress, **overrides}}, env={})
+    if args.plot is not None:
+        from kvoffload.plot import require_matplotlib
+
+        require_matplotlib()
     ops = args.ops if args.ops is not None else config.stress.ops
     duration = args.duration if args.duration is not None else config.stress.duration_s
     if ops <= 0 or duration <= 0:
@@ -166,8 +202,10 @@ def _stress(args: argparse.Namespace) -> int:
     runner = StressRunner(config, seed=args.seed)
     try:
         console.print(
-            f"kvoffload stress: {len(runner.tiers)} tier(s), block {runner.layout.bytes_per_block} "
-            f"bytes, up to {ops} requests / {duration:g} s, seed {runner.seed}"
+            f"kvoffload stress: {len(runner.tiers)} tier(s) "
+            f"({' -> '.join(t.name for t in runner.tiers)}), {config.stress.workload} workload, "
+            f"block {runner.layout.bytes_per_block} bytes, {config.stress.concurrency} in flight, "
+            f"up to {ops} requests / {duration:g} s, seed {runner.seed}"
         )
         show = not args.no_progress and console.is_terminal
         with Progress(
@@ -191,6 +229,11 @@ def _stress(args: argparse.Namespace) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report.to_json(), indent=2) + "\n")
         console.print(f"report written to {args.json}")
+    if args.plot is not None:
+        from kvoffload.plot import plot_report
+
+        plot_report(report.to_json(), args.plot)
+        console.print(f"plot written to {args.plot}")
     return EXIT_FAILED if report.integrity_errors else EXIT_OK
 
 
@@ -252,11 +295,24 @@ def _bench(args: argparse.Namespace) -> int:
         total_bytes=total,
         reps=args.reps,
         progress=lambda m: print(f"bench: {m}", flush=True),
+        disk=not args.skip_disk,
+        trace=args.trace,
     )
     print(
-        f"{'tier':<10} {'block':>7} {'store':>6} {'raw w':>6} {'x raw':>6} {'vllm':>6} "
-        f"{'x vllm':>6} {'load':>6} {'raw r':>6} {'x raw':>6} {'vllm':>6} {'x vllm':>6}   (GB/s)"
+        f"manager: {_f(report['manager_ns_per_block'])} ns/block, vLLM LRU "
+        f"{_f(report['vllm_lru_ns_per_block'])}, x vllm {_f(report['manager_vs_vllm_lru'])}"
     )
+    for c in report["cpu_ratios"]:
+        print(
+            f"cpu {c['block']:>9}: copy {c['copy_gbps']:.2f} GB/s, gather "
+            f"{c['gather_ratio']:.2f}x, scatter {c['scatter_ratio']:.2f}x"
+        )
+    if report["tiers"]:
+        print(
+            f"{'tier':<10} {'block':>7} {'store':>6} {'raw w':>6} {'x raw':>6} {'vllm':>6} "
+            f"{'x vllm':>6} {'load':>6} {'raw r':>6} {'x raw':>6} {'vllm':>6} {'x vllm':>6}"
+            "   (GB/s)"
+        )
     for r in report["tiers"]:
         print(
             f"{r['tier']:<10} {r['block_bytes'] // 1024:>5}Ki {r['store_gbps']:>6.2f} "
@@ -288,6 +344,13 @@ def _dump(path: Path | None, data: object) -> None:
         path.write_text(json.dumps(data, indent=2) + "\n")
 
 
+def _ms(value: float | None, digits: int | None = None) -> str:
+    """Milliseconds: fixed 3 decimals, or ``digits`` significant ones for narrow cells."""
+    if value is None:
+        return "-"
+    return f"{value:.{digits}g}" if digits else f"{value:.3f}"
+
+
 def _usage(message: str) -> KVOffloadError:
     return KVOffloadError(message)
 
@@ -295,38 +358,43 @@ def _usage(message: str) -> KVOffloadError:
 def _print_report(console: Console, report: StressReport) -> None:
     from rich.table import Table
 
-    from kvoffload.sizes import format_size
-
     table = Table(title="kvoffload stress: per tier")
     for col in (
         "tier",
         "backend",
+        "policy",
         "capacity",
         "hits",
+        "misses",
         "stored",
         "evicted",
+        "dropped",
         "rejected",
         "corrupt",
-        "written",
-        "read",
         "write GB/s",
         "read GB/s",
+        "store ms p50/p99",
+        "load ms p50/p99",
     ):
-        table.add_column(col, justify="left" if col in ("tier", "backend") else "right")
+        left = col in ("tier", "backend", "policy")
+        table.add_column(col, justify="left" if left else "right", no_wrap=col.endswith("p99"))
     for t in report.tiers:
         table.add_row(
             t.name,
             t.backend,
+            t.write_policy,
             f"{t.capacity_blocks} blk",
             str(t.hits),
+            str(t.misses),
             str(t.blocks_stored),
             str(t.evictions),
-            str(t.stores_rejected),
+            str(t.dropped_stores),
+            str(t.rejected_stores),
             str(t.corrupt_blocks),
-            format_size(t.bytes_written),
-            format_size(t.bytes_read),
             f"{t.write_gbps:.2f}",
             f"{t.read_gbps:.2f}",
+            f"{_ms(t.store_p50_ms, 3)}/{_ms(t.store_p99_ms, 3)}",
+            f"{_ms(t.load_p50_ms, 3)}/{_ms(t.load_p99_ms, 3)}",
         )
     console.print(table)
     summary = Table(title="kvoffload stress: summary", show_header=False)
@@ -337,6 +405,16 @@ def _print_report(console: Console, report: StressReport) -> None:
     summary.add_row("blocks requested", str(report.blocks_requested))
     summary.add_row("blocks loaded", str(report.blocks_loaded))
     summary.add_row("blocks stored", str(report.blocks_stored))
+    summary.add_row("requests whose store was dropped", str(report.stores_dropped))
+    summary.add_row(
+        "submit latency p50 / p99 / max",
+        " / ".join(_ms(v) for v in (report.submit_p50_ms, report.submit_p99_ms))
+        + f" / {_ms(report.submit_max_ms)} ms",
+    )
+    summary.add_row(
+        "request latency p50 / p99",
+        f"{_ms(report.request_p50_ms)} / {_ms(report.request_p99_ms)} ms",
+    )
     summary.add_row("hit rate", f"{report.hit_rate:.3f}")
     summary.add_row("integrity errors", str(report.integrity_errors))
     console.print(summary)

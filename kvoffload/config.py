@@ -81,6 +81,23 @@ class TierConfig(BaseModel):
     """Registered backend name (entry-point group ``kvoffload.backends``)."""
     capacity: ByteSize = 1024**3
     """Bytes of block data this tier may hold, e.g. ``"4GiB"``; slot headers count too."""
+    write_policy: Literal["write_through", "on_evict"] = "write_through"
+    """How this tier is filled from the tier above it (ignored on the first tier, which
+    takes the engine's stores). ``write_through``: a copy is queued as soon as the
+    block is stored above, so it survives the upper tier's loss. ``on_evict``: the block
+    is copied down only when the tier above evicts it, which writes less."""
+    admit_after_hits: int = Field(default=0, ge=0)
+    """Admission filter: copy a block into this tier only once it has been loaded this
+    many times (``0``: admit every block). Protects an SSD from one-shot blocks."""
+    max_pending_stores: int = Field(default=8, ge=1, le=4096)
+    """Backpressure: store jobs into this tier queued or running at once. A store that
+    finds the queue full is dropped and counted; the caller never waits."""
+    max_store_delay_ms: float | None = Field(default=None, gt=0)
+    """Backpressure by latency: drop new stores while the queued jobs would take longer
+    than this to drain (queue depth x recent job time). ``null``: queue depth only."""
+    write_throttle: ByteSize | None = None
+    """Test knob: cap this tier's write rate at this many bytes per second (sleeping
+    after each write), to simulate a slow disk. ``null``: full speed."""
 
 
 class CPUTierConfig(TierConfig):
@@ -251,6 +268,18 @@ class LayoutConfig(BaseModel):
     """Element type of the KV cache."""
 
 
+LAYOUT_PRESETS: Final[dict[str, dict[str, Any]]] = {
+    "tiny": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 64, "block_size": 16},
+    "small": {"num_layers": 8, "num_kv_heads": 8, "head_dim": 128, "block_size": 16},
+    "qwen2.5-0.5b": {"num_layers": 24, "num_kv_heads": 2, "head_dim": 64, "block_size": 16},
+    "llama3-8b": {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "block_size": 16},
+}
+"""Simulated model layouts for ``stress.preset`` / ``--preset`` (all bfloat16). Block
+bytes: tiny 16 KiB, small 512 KiB, qwen2.5-0.5b 192 KiB, llama3-8b 2 MiB: Llama-3-8B's
+real per-block geometry (32 layers, 8 KV heads of 128, 16 tokens); it is scaled to fit
+memory through the block counts (``pool_blocks``, tier capacities), not the layout."""
+
+
 class StressConfig(BaseModel):
     """Defaults of ``kvoffload stress``; the CLI's flags override them."""
 
@@ -258,6 +287,11 @@ class StressConfig(BaseModel):
 
     layout: LayoutConfig = LayoutConfig()
     """Simulated KV layout."""
+    preset: Literal["tiny", "small", "qwen2.5-0.5b", "llama3-8b"] | None = None
+    """A named layout instead of ``layout`` (``--preset``): see ``LAYOUT_PRESETS``."""
+    concurrency: int = Field(default=4, ge=1, le=1024)
+    """Simulated requests in flight at once (``--concurrency``); each holds its own
+    pool blocks from lookup until its store has finished."""
     pool_blocks: int = Field(default=256, gt=0)
     """Blocks in the simulated GPU block pool (one request must fit)."""
     ops: int = Field(default=2000, gt=0)
@@ -289,8 +323,19 @@ class StressConfig(BaseModel):
     scan_blocks: int = Field(default=16, gt=0)
     """``scan``: blocks per request, all of them new."""
 
+    def resolved_layout(self) -> LayoutConfig:
+        """``layout``, or the preset's layout when ``preset`` is set."""
+        if self.preset is None:
+            return self.layout
+        return LayoutConfig(**LAYOUT_PRESETS[self.preset])
+
     @model_validator(mode="after")
     def _pool_fits_a_request(self) -> StressConfig:
+        if self.preset is not None and "layout" in self.model_fields_set:
+            raise ValueError(
+                f"stress.preset = {self.preset!r} and stress.layout are both set; "
+                "keep one (the preset names a whole layout)"
+            )
         # A trace's longest request is known only once the file is read: the stress
         # runner checks it then.
         need = {
@@ -340,6 +385,19 @@ class KVOffloadConfig(BaseModel):
                     f"tiers[{i}]; give every tier a unique name"
                 )
             first[tier.name] = i
+        return tiers
+
+    @field_validator("tiers")
+    @classmethod
+    def _first_tier_takes_every_store(cls, tiers: list[TierConfig]) -> list[TierConfig]:
+        first = tiers[0]
+        for field_name, default in (("admit_after_hits", 0), ("write_policy", "write_through")):
+            if field_name in first.model_fields_set and getattr(first, field_name) != default:
+                raise ValueError(
+                    f"tiers[0].{field_name} = {getattr(first, field_name)!r}: the first tier "
+                    f"takes every store from the engine, so {field_name} applies only to "
+                    f"lower tiers; remove it from tiers[0] or move it to tiers[1]"
+                )
         return tiers
 
     def resolved_tiers(self) -> list[TierConfig]:

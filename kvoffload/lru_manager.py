@@ -95,11 +95,13 @@ class LRUOffloadingManager(OffloadingManager):
             return PrepareStoreOutput([], [], [])
         deficit = len(new) - self.allocator.num_free
         evicted: list[BlockKey] = []
+        evicted_slots: list[int] = []
         if deficit > 0:
             victims = self.policy.evict(deficit, protected=set(keys))
             if victims is None:
                 return None
-            self.allocator.free([state.slot for _, state in victims])
+            evicted_slots = [state.slot for _, state in victims]
+            self.allocator.free(evicted_slots)
             evicted = [key for key, _ in victims]
             self._record(evicted, removed=True)
         slots = self.allocator.allocate(len(new))
@@ -108,7 +110,7 @@ class LRUOffloadingManager(OffloadingManager):
         insert = self.policy.insert
         for key, slot in zip(new, slots, strict=True):
             insert(key, BlockState(slot, ref_cnt=-1))
-        return PrepareStoreOutput(new, slots, evicted)
+        return PrepareStoreOutput(new, slots, evicted, evicted_slots)
 
     def complete_store(self, keys: Sequence[BlockKey], success: bool = True) -> None:
         done: list[BlockKey] = []

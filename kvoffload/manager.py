@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvoffload.keys import BlockKey
 
@@ -34,6 +34,9 @@ class PrepareStoreOutput:
     """Store spec: the slot for each of ``keys_to_store``."""
     evicted: list[BlockKey]
     """Keys evicted to make room; their slots may be among ``slots``."""
+    evicted_slots: list[int] = field(default_factory=list)
+    """The slot each of ``evicted`` held, so a caller that demotes evicted blocks to a
+    lower tier can read them before the new stores overwrite those slots."""
 
 
 @dataclass(frozen=True, slots=True)

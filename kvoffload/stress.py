@@ -1,34 +1,40 @@
 """``kvoffload stress``: a seeded offload workload whose every loaded block is checked.
 
-A simulated engine: a :class:`~kvoffload.blockpool.BlockPool` stands in for the GPU
-block pool, requests come from a :mod:`~kvoffload.workloads` stream (Zipf shared
-prefixes, multi-turn chat, a no-reuse scan, or a replayed trace), and each request
-(1) loads the longest prefix any tier holds into pool blocks, (2) "prefills" the rest
-with deterministic data, (3) stores its blocks into every tier (write-through). Every
-block loaded back is compared bit for bit with what the generator says it must be; a
-single differing byte is an integrity error and fails the run.
+A simulated engine over the real :class:`~kvoffload.offloader.Offloader`: a
+:class:`~kvoffload.blockpool.BlockPool` stands in for the GPU block pool, requests
+come from a :mod:`~kvoffload.workloads` stream (Zipf shared prefixes, multi-turn chat,
+a no-reuse scan, or a replayed trace), and up to ``concurrency`` requests are in flight
+at once. Each request takes pool blocks, then
 
-The transfer-engine issue replaces the synchronous tier loop with the async Offloader;
-the workload, generator and report stay.
+1. plans and submits the load of the longest prefix any tier holds;
+2. when the load finishes, verifies every loaded block bit for bit against what the
+   generator says it must be, and "prefills" the rest with deterministic data;
+3. submits the store of all its blocks (the Offloader skips those already held and
+   cascades them down the tiers), and gives its pool blocks back when that finishes.
+
+The caller's side of every submit is timed: that is the engine step's cost. A single
+differing byte in a loaded block is an integrity error and fails the run.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import torch
 
 from kvoffload.blockpool import BlockPool
 from kvoffload.config import KVOffloadConfig, StressConfig
-from kvoffload.exceptions import BackendError, BlockStateError
+from kvoffload.exceptions import BlockStateError, ConfigError
 from kvoffload.keys import BlockKey
 from kvoffload.layout import KVLayout
-from kvoffload.tier import Tier, build_tiers
+from kvoffload.offloader import LoadPlan, Offloader, TierStats
+from kvoffload.transfer import JobResult
 from kvoffload.workloads import Workload, make_workload
 
 logger = logging.getLogger(__name__)
@@ -93,42 +99,78 @@ def workload_from_config(cfg: StressConfig, seed: int) -> Workload:
 
 
 # --------------------------------------------------------------------------- report
+SAMPLE_EVERY_S: Final = 0.25
+"""Interval of the timeline samples (``--json`` ``timeline``, ``--plot``)."""
+
+
+def percentile_ms(samples: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile (0-100) of ``samples`` seconds, in milliseconds."""
+    if not samples:
+        return None
+    ordered = sorted(samples)
+    k = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[k] * 1e3
+
+
 @dataclass
 class TierReport:
-    """Per-tier counters of one run."""
+    """Per-tier outcome of one run (one row of the table, one ``tiers[]`` entry)."""
 
     name: str
     backend: str
+    write_policy: str
+    """``first`` for the tier taking the engine's stores, else its ``write_policy``."""
     capacity_blocks: int
-    hits: int = 0
-    """Blocks loaded from this tier."""
-    blocks_stored: int = 0
-    bytes_written: int = 0
-    bytes_read: int = 0
-    evictions: int = 0
-    stores_rejected: int = 0
-    """Blocks not stored because no room could be made (all candidates pinned)."""
-    store_errors: int = 0
-    corrupt_blocks: int = 0
-    """Blocks the backend reported invalid on load (served as misses)."""
-    write_seconds: float = 0.0
-    read_seconds: float = 0.0
+    hits: int
+    """Blocks loaded from this tier (the fastest tier holding each)."""
+    misses: int
+    """Requested blocks this tier did not serve (found lower down, or nowhere)."""
+    blocks_stored: int
+    bytes_written: int
+    bytes_read: int
+    """Includes reads that copy blocks down to the next tier."""
+    evictions: int
+    dropped_stores: int
+    """Blocks not stored because the tier's queue was full or too slow (backpressure)."""
+    rejected_stores: int
+    """Blocks not stored because no room could be made (every candidate pinned)."""
+    not_admitted: int
+    store_errors: int
+    corrupt_blocks: int
+    promotions: int
+    write_gbps: float
+    """``bytes_written`` over the run's wall time."""
+    read_gbps: float
+    store_p50_ms: float | None
+    store_p99_ms: float | None
+    """Submit-to-done time of store jobs into this tier."""
+    load_p50_ms: float | None
+    load_p99_ms: float | None
+    """Submit-to-done time of loads whose slowest tier was this one."""
 
-    @property
-    def write_gbps(self) -> float:
-        return self.bytes_written / self.write_seconds / 1e9 if self.write_seconds else 0.0
-
-    @property
-    def read_gbps(self) -> float:
-        return self.bytes_read / self.read_seconds / 1e9 if self.read_seconds else 0.0
+    @classmethod
+    def from_stats(cls, s: TierStats, seconds: float) -> TierReport:
+        """The report of a tier's counters over a run of ``seconds``."""
+        shared = {f.name for f in fields(cls)} & {f.name for f in fields(s)}
+        return cls(
+            **{name: getattr(s, name) for name in shared},
+            write_gbps=s.bytes_written / seconds / 1e9 if seconds else 0.0,
+            read_gbps=s.bytes_read / seconds / 1e9 if seconds else 0.0,
+            store_p50_ms=percentile_ms(s.store_latency_s, 50),
+            store_p99_ms=percentile_ms(s.store_latency_s, 99),
+            load_p50_ms=percentile_ms(s.load_latency_s, 50),
+            load_p99_ms=percentile_ms(s.load_latency_s, 99),
+        )
 
 
 @dataclass
 class StressReport:
-    """Outcome of ``kvoffload stress``; :meth:`to_json` is the ``--json`` schema."""
+    """Outcome of ``kvoffload stress``; :meth:`to_json` is the ``--json`` document,
+    whose schema docs/config.md ("stress report") describes field by field."""
 
     seed: int
     workload: str
+    concurrency: int
     layout: dict[str, Any]
     bytes_per_block: int
     ops: int = 0
@@ -136,8 +178,21 @@ class StressReport:
     blocks_requested: int = 0
     blocks_loaded: int = 0
     blocks_stored: int = 0
+    """Blocks written into the first tier (the engine's stores)."""
+    stores_dropped: int = 0
+    """Requests whose whole store the first tier dropped (queue full or no room)."""
     integrity_errors: int = 0
+    submit_p50_ms: float | None = None
+    submit_p99_ms: float | None = None
+    submit_max_ms: float | None = None
+    """The caller's side of ``submit_store`` / ``prepare_load`` + ``submit_load``."""
+    request_p50_ms: float | None = None
+    request_p99_ms: float | None = None
+    """Admission to store completion, per request."""
     tiers: list[TierReport] = field(default_factory=list)
+    timeline: list[dict[str, Any]] = field(default_factory=list)
+    """Samples every 0.25 s: ``t`` (s), ``requested`` and ``loaded`` blocks so far, and
+    per tier (``tiers[i]``) cumulative ``bytes_written``, ``bytes_read`` and ``hits``."""
 
     @property
     def hit_rate(self) -> float:
@@ -145,17 +200,19 @@ class StressReport:
         return self.blocks_loaded / self.blocks_requested if self.blocks_requested else 0.0
 
     def to_json(self) -> dict[str, Any]:
-        out = {k: v for k, v in asdict(self).items() if k != "tiers"}
+        out = asdict(self)
         out["hit_rate"] = self.hit_rate
-        out["tiers"] = [
-            {**asdict(t), "write_gbps": t.write_gbps, "read_gbps": t.read_gbps} for t in self.tiers
-        ]
+        out["schema"] = REPORT_SCHEMA
         return out
+
+
+REPORT_SCHEMA: Final = "kvoffload.stress/2"
+"""Version tag of the ``--json`` document; bumped when a field changes meaning."""
 
 
 # ---------------------------------------------------------------------------- runner
 def layout_from_config(config: KVOffloadConfig) -> KVLayout:
-    lc = config.stress.layout
+    lc = config.stress.resolved_layout()
     return KVLayout(
         num_layers=lc.num_layers,
         num_kv_heads=lc.num_kv_heads,
@@ -169,8 +226,17 @@ def layout_from_config(config: KVOffloadConfig) -> KVLayout:
 ProgressFn = Callable[[int, float], None]
 
 
+@dataclass(slots=True)
+class _Request:
+    keys: list[BlockKey]
+    ids: list[int]
+    """Pool blocks it holds until its store finishes."""
+    start: float
+    plan: LoadPlan | None = None
+
+
 class StressRunner:
-    """Runs the workload against the configured tiers; see the module docstring."""
+    """Runs the workload through an :class:`Offloader`; see the module docstring."""
 
     def __init__(self, config: KVOffloadConfig, *, seed: int | None = None) -> None:
         self.config = config
@@ -178,136 +244,163 @@ class StressRunner:
         self.seed = self.cfg.seed if seed is None else seed
         self.layout = layout_from_config(config)
         self.workload = workload_from_config(self.cfg, self.seed)
+        n = self.workload.max_blocks
+        if n > self.cfg.pool_blocks:
+            raise ConfigError(
+                f"stress.pool_blocks = {self.cfg.pool_blocks} cannot hold the workload's "
+                f"longest request of {n} blocks; set stress.pool_blocks >= {n}"
+            )
         self.pool = BlockPool.allocate(self.layout, self.cfg.pool_blocks)
         self.gen = BlockDataGenerator(self.layout.bytes_per_block, DATA_SEED)
-        self.tiers: list[Tier] = build_tiers(config, self.layout)
-        n = self.workload.max_blocks
+        self.offloader = Offloader(config, self.layout, self.pool)
+        self.tiers = self.offloader.tiers
         self.staging = self.pool.new_staging(n)
         self.check_buf = self.pool.new_staging(n)
         self.scratch = torch.empty(self.layout.bytes_per_block, dtype=torch.uint8)
         self.report = StressReport(
             seed=self.seed,
             workload=self.cfg.workload,
+            concurrency=self.cfg.concurrency,
             layout=self.layout.to_dict(),
             bytes_per_block=self.layout.bytes_per_block,
-            tiers=[
-                TierReport(t.name, t.backend.config.backend, t.manager.capacity) for t in self.tiers
-            ],
         )
+        self._free = deque(range(self.cfg.pool_blocks))
+        self._jobs: dict[int, tuple[str, _Request]] = {}
+        self._submit_s: list[float] = []
+        self._request_s: list[float] = []
 
     def close(self) -> None:
-        for tier in self.tiers:
-            tier.close()
+        self.offloader.close()
 
     def run(
         self, *, ops: int, duration_s: float, progress: ProgressFn | None = None
     ) -> StressReport:
         start = time.perf_counter()
         deadline = start + duration_s
-        rep = self.report
-        workload = self.workload
-        while rep.ops < ops and time.perf_counter() < deadline and not workload.exhausted:
-            self._one_request(self.workload.next())
-            rep.ops += 1
+        rep, off = self.report, self.offloader
+        admitted, done, active = 0, 0, 0
+        waiting: list[BlockKey] | None = None
+        next_sample = start
+        while True:
+            now = time.perf_counter()
+            if now >= next_sample:
+                self._sample(now - start)
+                next_sample = now + SAMPLE_EVERY_S
+            # Admit requests while the pool and the concurrency bound allow.
+            while (
+                active < self.cfg.concurrency
+                and admitted < ops
+                and now < deadline
+                and (waiting is not None or not self.workload.exhausted)
+            ):
+                if waiting is None:
+                    waiting = self.workload.next()
+                if len(self._free) < len(waiting):
+                    break  # the pool is full: wait for a store to give blocks back
+                ids = [self._free.popleft() for _ in waiting]
+                finished = self._begin(_Request(waiting, ids, time.perf_counter()))
+                waiting = None
+                admitted += 1
+                active += 1
+                if finished:  # its store was dropped at once
+                    active -= 1
+                    done += 1
+            if active == 0:
+                break
+            results = off.get_finished()
+            if not results:
+                results = off.wait([min(self._jobs)], timeout=0.05)
+            for result in results:
+                if self._on_result(result):
+                    active -= 1
+                    done += 1
             if progress is not None:
-                progress(rep.ops, time.perf_counter() - start)
+                progress(done, time.perf_counter() - start)
+        rep.ops = done
+        off.drain()
         rep.duration_s = time.perf_counter() - start
-        for tier in self.tiers:
-            problems = tier.manager.check() + tier.backend.check()
-            if problems:
-                raise BlockStateError(f"tier {tier.name} inconsistent after stress: {problems}")
+        self._sample(rep.duration_s)
+        problems = off.check()
+        if problems:
+            raise BlockStateError(f"tiers inconsistent after stress: {problems}")
+        rep.tiers = [TierReport.from_stats(s, rep.duration_s) for s in off.stats]
+        rep.submit_p50_ms = percentile_ms(self._submit_s, 50)
+        rep.submit_p99_ms = percentile_ms(self._submit_s, 99)
+        rep.submit_max_ms = max(self._submit_s) * 1e3 if self._submit_s else None
+        rep.request_p50_ms = percentile_ms(self._request_s, 50)
+        rep.request_p99_ms = percentile_ms(self._request_s, 99)
         return rep
 
-    # One simulated request: load the longest held prefix, compute the rest, store all.
-    def _one_request(self, keys: list[BlockKey]) -> None:
-        rep = self.report
-        n = len(keys)
-        pool_ids = list(range(n))  # one request at a time: the first n pool blocks
-        rep.blocks_requested += n
-        hit = self._load_prefix(keys, pool_ids)
-        # "Prefill": what was not loaded is computed, i.e. generated, into the pool.
-        staging = self.staging[:n]
-        for i in range(hit, n):
-            self.gen.fill(keys[i], staging[i])
-        if hit < n:
-            self.pool.scatter(pool_ids[hit:], staging[hit:])
-        # Store: the request's blocks leave the pool and go to every tier.
-        self.pool.gather(pool_ids, staging)
-        row_of = {k: i for i, k in enumerate(keys)}
-        for tier, trep in zip(self.tiers, rep.tiers, strict=True):
-            self._store(tier, trep, keys, row_of, staging)
-
-    def _load_prefix(self, keys: list[BlockKey], pool_ids: list[int]) -> int:
-        best, hit = None, 0
-        for idx, tier in enumerate(self.tiers):
-            h = tier.manager.lookup(keys)
-            if h > hit:
-                best, hit = idx, h
-        if best is None:
-            return 0
-        tier, trep = self.tiers[best], self.report.tiers[best]
-        prefix = keys[:hit]
-        slots = tier.manager.prepare_load(prefix)
-        buf = self.staging[:hit]
+    # -- one request's steps -----------------------------------------------------------
+    def _begin(self, req: _Request) -> bool:
+        """Plan and submit the prefix load, or go straight to prefill on a miss;
+        ``True`` if the request finished already (its store was dropped)."""
+        self.report.blocks_requested += len(req.keys)
         t0 = time.perf_counter()
-        failed = False
-        try:
-            ok = tier.backend.read(slots, prefix, buf)
-        except BackendError:
-            # An I/O error says nothing about the stored blocks: a miss, not a drop.
-            logger.warning("tier %s: read of %d blocks failed; treating as a miss", tier.name, hit)
-            ok, failed = [False] * hit, True
-        trep.read_seconds += time.perf_counter() - t0
-        valid = ok.index(False) if False in ok else hit
-        if not failed:
-            trep.corrupt_blocks += ok.count(False)
-        tier.manager.touch(prefix[:valid])
-        tier.manager.complete_load(prefix)
-        if valid < hit and not failed:
-            # A corrupt or mismatched block is a miss, now and after a restart.
-            tier.drop([key for key, good in zip(prefix, ok, strict=True) if not good])
-        if valid == 0:
-            return 0
-        self.pool.scatter(pool_ids[:valid], buf[:valid])
-        trep.hits += valid
-        trep.bytes_read += valid * self.layout.bytes_per_block
-        self.report.blocks_loaded += valid
-        # Verify what the pool now holds, through the public batched API.
-        check = self.pool.gather(pool_ids[:valid], self.check_buf[:valid])
-        for i in range(valid):
-            if not self.gen.matches(keys[i], check[i], self.scratch):
+        plan = self.offloader.prepare_load(req.keys)
+        job = self.offloader.submit_load(plan, req.ids[: plan.hits]) if plan.hits else None
+        if not plan.hits:
+            self.offloader.cancel_load(plan)
+        self._submit_s.append(time.perf_counter() - t0)
+        if job is None:
+            return self._prefill_and_store(req, loaded=0)
+        self._jobs[job] = ("load", req)
+        return False
+
+    def _on_result(self, result: JobResult) -> bool:
+        """Advance the request ``result`` belongs to; ``True`` when it is finished."""
+        kind, req = self._jobs.pop(result.job_id)
+        if kind == "load":
+            loaded = result.nbytes // self.layout.bytes_per_block if result.success else 0
+            self._verify(req, loaded)
+            return self._prefill_and_store(req, loaded)
+        self._release(req)
+        return True
+
+    def _verify(self, req: _Request, loaded: int) -> None:
+        """Compare every loaded block, read back through the public batched API."""
+        self.report.blocks_loaded += loaded
+        if not loaded:
+            return
+        check = self.pool.gather(req.ids[:loaded], self.check_buf[:loaded])
+        for i in range(loaded):
+            if not self.gen.matches(req.keys[i], check[i], self.scratch):
                 self.report.integrity_errors += 1
-                logger.error("integrity error: block %s from tier %s", keys[i].hex(), tier.name)
-        return valid
+                logger.error("integrity error: block %s (position %d)", req.keys[i].hex(), i)
 
-    def _store(
-        self,
-        tier: Tier,
-        trep: TierReport,
-        keys: list[BlockKey],
-        row_of: dict[BlockKey, int],
-        staging: torch.Tensor,
-    ) -> None:
-        out = tier.manager.prepare_store(keys)
-        if out is None:
-            trep.stores_rejected += len(keys)
-            return
-        trep.evictions += len(out.evicted)
-        if not out.keys_to_store:
-            return
-        rows = [row_of[k] for k in out.keys_to_store]
-        src = staging if len(rows) == len(keys) else staging[torch.tensor(rows)]
+    def _prefill_and_store(self, req: _Request, loaded: int) -> bool:
+        """ "Compute" what was not loaded into the pool, then submit the store."""
+        n = len(req.keys)
+        if loaded < n:
+            staging = self.staging[: n - loaded]
+            for i in range(loaded, n):
+                self.gen.fill(req.keys[i], staging[i - loaded])
+            self.pool.scatter(req.ids[loaded:], staging)
         t0 = time.perf_counter()
-        try:
-            tier.backend.write(out.slots, out.keys_to_store, src)
-        except BackendError:
-            logger.warning("tier %s: write of %d blocks failed", tier.name, len(rows))
-            tier.manager.complete_store(out.keys_to_store, success=False)
-            trep.store_errors += len(rows)
-            return
-        finally:
-            trep.write_seconds += time.perf_counter() - t0
-        tier.manager.complete_store(out.keys_to_store, success=True)
-        trep.blocks_stored += len(rows)
-        trep.bytes_written += len(rows) * self.layout.bytes_per_block
-        self.report.blocks_stored += len(rows)
+        job = self.offloader.submit_store(req.keys, req.ids)
+        self._submit_s.append(time.perf_counter() - t0)
+        if job is None:
+            self.report.stores_dropped += 1
+            self._release(req)
+            return True
+        self._jobs[job] = ("store", req)
+        return False
+
+    def _release(self, req: _Request) -> None:
+        self._free.extend(req.ids)
+        self._request_s.append(time.perf_counter() - req.start)
+        self.report.blocks_stored = self.offloader.stats[0].blocks_stored
+
+    def _sample(self, t: float) -> None:
+        rep = self.report
+        rep.timeline.append(
+            {
+                "t": round(t, 3),
+                "requested": rep.blocks_requested,
+                "loaded": rep.blocks_loaded,
+                "tiers": [
+                    {"bytes_written": s.bytes_written, "bytes_read": s.bytes_read, "hits": s.hits}
+                    for s in self.offloader.stats
+                ],
+            }
+        )

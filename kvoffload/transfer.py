@@ -199,15 +199,23 @@ class TransferWorker:
             raise
 
     # -- submit / poll / wait -----------------------------------------------------
-    def submit_store(self, fn: TransferFn) -> int | None:
+    def submit_store(
+        self, fn: TransferFn, on_done: Callable[[JobResult], None] | None = None
+    ) -> int | None:
         """Queue a store job; its id, or ``None`` if the store lane is full or shut down
-        (the caller drops the store)."""
-        return self._submit("store", fn, None)
+        (the caller drops the store).
 
-    def submit_load(self, fn: TransferFn) -> int | None:
+        With ``on_done``, the result is passed to it on the lane thread (outside the
+        worker's lock) instead of being kept for :meth:`get_finished` / :meth:`wait`:
+        for jobs nobody polls, such as a tier cascade's internal copies."""
+        return self._submit("store", fn, on_done)
+
+    def submit_load(
+        self, fn: TransferFn, on_done: Callable[[JobResult], None] | None = None
+    ) -> int | None:
         """Queue a load job; its id, or ``None`` if the load lane is full or shut down
-        (the caller treats the blocks as a miss)."""
-        return self._submit("load", fn, None)
+        (the caller treats the blocks as a miss). ``on_done`` as in :meth:`submit_store`."""
+        return self._submit("load", fn, on_done)
 
     def get_finished(self) -> list[JobResult]:
         """Take the results of all jobs finished since the last call (never blocks).

@@ -225,6 +225,46 @@ BAD_CONFIGS = [
         ("cannot read config file", "No such file"),
         id="missing-file",
     ),
+    pytest.param(
+        "tiers:\n  - name: a\n  - name: b\n    write_policy: write_back\n",
+        ("tiers[1].write_policy", "'write_back'", "'write_through'", "'on_evict'"),
+        id="unknown-write-policy",
+    ),
+    pytest.param(
+        "tiers:\n  - name: a\n    admit_after_hits: 2\n  - name: b\n",
+        ("tiers[0].admit_after_hits = 2", "first tier", "tiers[1]"),
+        id="admission-filter-on-the-first-tier",
+    ),
+    pytest.param(
+        "tiers:\n  - name: a\n    write_policy: on_evict\n  - name: b\n",
+        ("tiers[0].write_policy = 'on_evict'", "first tier"),
+        id="write-policy-on-the-first-tier",
+    ),
+    pytest.param(
+        _tier("    max_pending_stores: 0\n"),
+        ("tiers[0].max_pending_stores", "= 0", "greater than or equal to 1"),
+        id="zero-store-queue",
+    ),
+    pytest.param(
+        _tier("    admit_after_hits: -1\n"),
+        ("tiers[0].admit_after_hits", "= -1", "greater than or equal to 0"),
+        id="negative-admission",
+    ),
+    pytest.param(
+        _tier("    write_throttle: fast\n"),
+        ("tiers[0].write_throttle", "'fast'", "'512MiB'"),
+        id="non-numeric-throttle",
+    ),
+    pytest.param(
+        "stress:\n  preset: llama-9000\n",
+        ("stress.preset", "'llama-9000'", "'llama3-8b'"),
+        id="unknown-preset",
+    ),
+    pytest.param(
+        "stress:\n  concurrency: 0\n",
+        ("stress.concurrency", "= 0", "greater than or equal to 1"),
+        id="zero-concurrency",
+    ),
 ]
 
 
@@ -274,8 +314,15 @@ def test_default_yaml_loads() -> None:
     cfg = load_config(DEFAULT_YAML, env={})
     assert cfg.version == 1
     assert cfg.eviction == "lru"
-    assert [(t.name, t.backend, t.capacity) for t in cfg.tiers] == [("cpu", "cpu", 256 * MiB)]
-    assert cfg.stress.pool_blocks == 64
+    assert [(t.name, t.backend, t.capacity) for t in cfg.tiers] == [
+        ("cpu", "cpu", 128 * MiB),
+        ("ssd", "mmap", 512 * MiB),
+        ("db", "lmdb", 1024 * MiB),
+    ]
+    assert [t.write_policy for t in cfg.tiers[1:]] == ["on_evict", "on_evict"]
+    assert cfg.tiers[2].admit_after_hits == 1
+    assert cfg.stress.pool_blocks == 128
+    assert cfg.stress.concurrency == 4
     assert cfg.stress.layout.dtype == "bfloat16"
 
 
@@ -346,7 +393,7 @@ def test_env_overrides_apply() -> None:
     assert cfg.tiers[0].name == "cpu"  # the rest of the tier comes from the file
     assert cfg.stress.layout.num_layers == 4
     assert isinstance(cfg.stress.layout.num_layers, int)
-    assert cfg.stress.pool_blocks == 64
+    assert cfg.stress.pool_blocks == 128
 
 
 def test_env_overrides_apply_to_defaults() -> None:
@@ -407,7 +454,7 @@ def test_bad_env_value_names_the_variable(var: str, value: str, needles: tuple[s
 
 
 @pytest.mark.parametrize(
-    "var", ["KVOFFLOAD_TIERS__3__CAPACITY", "KVOFFLOAD_TIERS__1", "KVOFFLOAD_TIERS__X__CAPACITY"]
+    "var", ["KVOFFLOAD_TIERS__3__CAPACITY", "KVOFFLOAD_TIERS__5", "KVOFFLOAD_TIERS__X__CAPACITY"]
 )
 def test_env_override_of_missing_tier_index(var: str) -> None:
     with pytest.raises(ConfigError) as info:
@@ -434,7 +481,9 @@ def test_plugin_tier_errors_name_the_field() -> None:
     with pytest.raises(ConfigError) as info:
         load_config({"tiers": [{"name": "d", "backend": "memdict", "colour": 1}]}, env={})
     assert str(info.value) == (
-        "<dict>: tiers[0].colour: unknown key; allowed keys: name, backend, capacity, copies"
+        "<dict>: tiers[0].colour: unknown key; allowed keys: name, backend, capacity, "
+        "write_policy, admit_after_hits, max_pending_stores, max_store_delay_ms, "
+        "write_throttle, copies"
     )
 
 

@@ -89,9 +89,11 @@ def test_plugin_backend_runs_under_stress() -> None:
 
 
 def test_same_seed_same_run_other_seed_other_run() -> None:
-    tiers = [{"name": "cpu", "backend": "cpu", "capacity": 40 * BLOCK}]
-    a, b = _run(_config(tiers), ops=120, seed=5), _run(_config(tiers), ops=120, seed=5)
-    c = _run(_config(tiers), ops=120, seed=6)
+    # One request in flight: with more, which finishes first is up to the scheduler.
+    raw = _config([{"name": "cpu", "backend": "cpu", "capacity": 40 * BLOCK}])
+    raw["stress"] = {**SMALL_STRESS, "concurrency": 1}
+    a, b = _run(raw, ops=120, seed=5), _run(raw, ops=120, seed=5)
+    c = _run(raw, ops=120, seed=6)
     assert (a.blocks_loaded, a.blocks_requested) == (b.blocks_loaded, b.blocks_requested)
     assert (a.blocks_loaded, a.blocks_requested) != (c.blocks_loaded, c.blocks_requested)
 
@@ -186,7 +188,7 @@ def test_cli_stress_with_bad_config_exits_2_without_traceback(tmp_path: Path) ->
 
 def test_default_config_is_valid() -> None:
     cfg = load_config(REPO / "configs" / "default.yaml")
-    assert [t.backend for t in cfg.tiers] == ["cpu"]
+    assert [t.backend for t in cfg.tiers] == ["cpu", "mmap", "lmdb"]
 
 
 def test_disk_tier_is_warm_for_the_next_run_whatever_its_seed(tmp_path: Path) -> None:
@@ -248,4 +250,105 @@ def test_trace_workload_without_a_file_is_a_config_error() -> None:
     raw = _config([{"name": "cpu", "backend": "cpu", "capacity": "1MiB"}])
     raw["stress"] = {**SMALL_STRESS, "workload": "trace"}
     with pytest.raises(ConfigError, match=r"stress = .*workload = 'trace' needs trace"):
+        load_config(raw)
+
+
+# ------------------------------------------------------------ the tier chain, end to end
+def _chain(tmp: Path, cpu: int, ssd: int, db: int, **ssd_extra: Any) -> list[dict[str, Any]]:
+    """cpu -> mmap -> lmdb, capacities in blocks (disk slots carry a 4 KiB header)."""
+    return [
+        {"name": "cpu", "backend": "cpu", "capacity": cpu * BLOCK},
+        {
+            "name": "ssd",
+            "backend": "mmap",
+            "path": str(tmp / "ssd"),
+            "capacity": ssd * (BLOCK + 4096),
+            **ssd_extra,
+        },
+        {"name": "db", "backend": "lmdb", "path": str(tmp / "db"), "capacity": db * (BLOCK + 4096)},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("workload", "extra", "reuse"),
+    [
+        ("zipf", {}, True),
+        ("multiturn", {"sessions": 6, "turn_blocks": 1, "max_turns": 8}, True),
+        ("scan", {"scan_blocks": 6}, False),
+        ("trace", {"trace": str(TRACE)}, True),
+    ],
+)
+def test_every_workload_through_three_small_tiers_is_clean(
+    tmp_path: Path, workload: str, extra: dict[str, Any], reuse: bool
+) -> None:
+    """Every tier is smaller than the working set, 8 requests are in flight, and blocks
+    move down and back up all the time: pins must hold, so no loaded block differs."""
+    raw = _config(_chain(tmp_path, cpu=24, ssd=40, db=80))
+    raw["stress"] = {**SMALL_STRESS, "pool_blocks": 256, "concurrency": 8, "workload": workload}
+    raw["stress"].update(extra)
+    rep = _run(raw, ops=250)
+    assert rep.integrity_errors == 0
+    assert rep.ops == 250
+    cpu, ssd, db = rep.tiers
+    assert cpu.evictions > 0
+    assert ssd.blocks_stored > 0
+    assert db.blocks_stored > 0
+    if reuse:
+        assert rep.hit_rate > 0
+    else:
+        assert rep.hit_rate == 0.0
+    if workload in ("zipf", "multiturn"):  # reuse distances beyond the cpu tier
+        assert ssd.hits + db.hits > 0  # served from below ...
+        assert cpu.promotions > 0  # ... and promoted back up
+    assert sum(t.hits for t in rep.tiers) == rep.blocks_loaded
+    # A block requested is a hit in one tier or a miss in it, at every level.
+    assert cpu.hits + cpu.misses == rep.blocks_requested
+
+
+def test_slow_disk_tier_drops_stores_while_the_engine_never_waits(tmp_path: Path) -> None:
+    """The ssd tier is throttled to 1 MB/s, far below the store rate; its queue holds
+    two jobs. Stores to it are dropped and counted, the engine's are not."""
+    tiers = _chain(tmp_path, cpu=400, ssd=400, db=400, write_throttle=1_000_000)
+    tiers[1]["max_pending_stores"] = 2
+    raw = _config(tiers[:2])
+    raw["stress"] = {**SMALL_STRESS, "pool_blocks": 64, "concurrency": 4}
+    rep = _run(raw, ops=150)
+    cpu, ssd = rep.tiers
+    assert rep.integrity_errors == 0
+    assert cpu.dropped_stores == 0
+    assert rep.stores_dropped == 0
+    assert ssd.dropped_stores > 0
+    assert ssd.blocks_stored < cpu.blocks_stored
+    # One throttled job of ~10 blocks takes ~0.16 s: a submit that waited for the slow
+    # tier even once would show here.
+    assert rep.submit_max_ms is not None
+    assert rep.submit_max_ms < 100
+
+
+def test_cli_preset_concurrency_json_schema_and_plot(tmp_path: Path) -> None:
+    cfg = tmp_path / "s.yaml"
+    raw = _config([{"name": "cpu", "backend": "cpu", "capacity": "2MiB"}])
+    raw["stress"] = {k: v for k, v in SMALL_STRESS.items() if k != "layout"}
+    cfg.write_text(yaml.safe_dump(raw))
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    args = ["--config", str(cfg), "--ops", "60", "--preset", "tiny", "--concurrency", "3"]
+    proc, report = _stress_cli(out, *args, "--plot", str(png))
+    assert report["schema"] == "kvoffload.stress/2"
+    assert report["concurrency"] == 3
+    assert report["bytes_per_block"] == 16 * 1024  # the tiny preset
+    assert report["integrity_errors"] == 0
+    for key in ("submit_p50_ms", "submit_p99_ms", "request_p99_ms", "timeline", "hit_rate"):
+        assert key in report
+    (tier,) = report["tiers"]
+    for key in ("hits", "misses", "dropped_stores", "store_p99_ms", "load_p99_ms", "write_gbps"):
+        assert key in tier
+    assert report["timeline"][-1]["requested"] == report["blocks_requested"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "store ms p50/p99" in proc.stdout
+
+
+def test_preset_and_layout_together_is_a_config_error() -> None:
+    raw = _config([{"name": "cpu", "backend": "cpu", "capacity": "1MiB"}])
+    raw["stress"] = {**SMALL_STRESS, "preset": "tiny"}
+    with pytest.raises(ConfigError, match=r"stress.preset = 'tiny' and stress.layout"):
         load_config(raw)

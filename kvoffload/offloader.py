@@ -1,0 +1,747 @@
+"""The Offloader: the configured tiers as one store, moving blocks off the engine step.
+
+Engines and the CLI call it; it owns the tiers (each a backend plus its manager) and
+one :class:`~kvoffload.transfer.TransferWorker` per tier, and keeps the books under
+one lock that is never held while bytes move.
+
+Store path (``submit_store``). The engine's blocks are gathered from the
+:class:`~kvoffload.blockpool.BlockPool` into the first tier, on that tier's store lane.
+Each lower tier is fed from the tier above it, by its ``write_policy``:
+
+- ``write_through``: as soon as a block lands in tier *t*, a copy into *t+1* is
+  queued (the block is pinned in *t* until the copy has read it);
+- ``on_evict``: when tier *t* evicts a block to make room, the write that reuses the
+  slot first reads the old block, and a copy into *t+1* is queued from that buffer.
+
+``admit_after_hits: N`` on a lower tier admits only blocks loaded at least N times;
+under ``write_through`` such a block is copied down when its N-th load completes.
+
+Load path (``prepare_load`` then ``submit_load``). The longest prefix held across all
+tiers is found, each block in the fastest tier that holds it ready, and pinned there
+for the whole transfer. Blocks found only in a lower tier are promoted: read into a
+host staging buffer, written into a first-tier slot reserved at planning time, and
+scattered into the target pool blocks with the rest. A block whose checksum, key or
+layout does not match ends the prefix: it is dropped from its tier and is a miss.
+
+Backpressure. Every tier's store lane is bounded by ``max_pending_stores`` jobs, and
+optionally by ``max_store_delay_ms`` of expected queueing; a store that would exceed
+either is dropped and counted, never waited for. Loads run on their own lane, so they
+never queue behind stores, and copies into persistent tiers wait (briefly, bounded)
+while loads are in flight, so the disk serves the engine's loads first.
+
+Threading. The engine calls ``submit_*``, ``prepare_load``, ``lookup`` and
+``get_finished`` from one thread; jobs run on lane threads. All manager calls happen
+under ``self._lock``, which is held for O(blocks) bookkeeping only: never across a
+read, write, gather or scatter.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Final
+
+import torch
+
+from kvoffload.blockpool import BlockPool, page_aligned_empty
+from kvoffload.config import KVOffloadConfig, TierConfig
+from kvoffload.exceptions import BackendError
+from kvoffload.keys import BlockKey
+from kvoffload.layout import KVLayout
+from kvoffload.tier import Tier, build_tiers
+from kvoffload.transfer import JobResult, TransferWorker
+
+logger = logging.getLogger(__name__)
+
+LATENCY_SAMPLES: Final = 100_000
+"""Latency samples kept per tier and direction (the most recent ones)."""
+LOAD_PRIORITY_WAIT_S: Final = 0.02
+"""Longest a copy into a persistent tier waits for in-flight loads to finish."""
+HIT_COUNTS: Final = 1 << 20
+"""Keys whose load count the admission filter remembers (least recent forgotten)."""
+MAX_INFLIGHT_LOADS: Final = 64
+
+
+@dataclass
+class TierStats:
+    """Counters of one tier since the Offloader started (read under its lock)."""
+
+    name: str
+    backend: str
+    capacity_blocks: int
+    write_policy: str
+    hits: int = 0
+    """Blocks loaded from this tier (the fastest tier holding each)."""
+    misses: int = 0
+    """Requested blocks this tier did not serve: found lower down, or nowhere."""
+    blocks_stored: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    write_seconds: float = 0.0
+    read_seconds: float = 0.0
+    evictions: int = 0
+    dropped_stores: int = 0
+    """Blocks not stored because this tier's store queue was full or too slow."""
+    rejected_stores: int = 0
+    """Blocks not stored because no room could be made (every candidate pinned)."""
+    not_admitted: int = 0
+    """Blocks kept out by ``admit_after_hits``."""
+    store_errors: int = 0
+    """Blocks whose write raised (an I/O error): not stored."""
+    corrupt_blocks: int = 0
+    """Blocks a load found invalid (checksum, key or layout): dropped, served as misses."""
+    promotions: int = 0
+    """Blocks copied up into this tier by a load (first tier only)."""
+    store_latency_s: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_SAMPLES))
+    """Submit-to-done time of store jobs into this tier."""
+    load_latency_s: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_SAMPLES))
+    """Submit-to-done time of loads whose slowest tier was this one."""
+
+
+@dataclass(slots=True)
+class _Run:
+    """Consecutive prefix positions ``[start, stop)`` held by one tier."""
+
+    tier: int
+    start: int
+    stop: int
+    slots: list[int]
+
+
+@dataclass
+class LoadPlan:
+    """A pinned load: what :meth:`Offloader.prepare_load` found and reserved.
+
+    Hand it to :meth:`Offloader.submit_load`, or give it back with
+    :meth:`Offloader.cancel_load`; until then its blocks cannot be evicted."""
+
+    keys: list[BlockKey]
+    """The held prefix (``len(keys)`` is the hit length)."""
+    runs: list[_Run]
+    requested: int
+    """Keys asked for (the prefix, then the first miss and everything after it)."""
+    promote_keys: list[BlockKey] = field(default_factory=list)
+    promote_slots: list[int] = field(default_factory=list)
+    promote_evicted: list[tuple[BlockKey, int]] = field(default_factory=list)
+    """First-tier blocks evicted to make room for the promotions (for ``on_evict``)."""
+    settled: bool = False
+
+    @property
+    def hits(self) -> int:
+        return len(self.keys)
+
+
+@dataclass(slots=True)
+class _Write:
+    """One write into a tier: where the bytes come from, and what it displaces."""
+
+    tier: int
+    keys: list[BlockKey]
+    slots: list[int]
+    pool_ids: list[int] | None = None
+    """Source: these pool blocks (an engine store)."""
+    src_tier: int | None = None
+    src_slots: list[int] | None = None
+    """Source: these slots of ``src_tier``, pinned by this write (write-through)."""
+    buf: torch.Tensor | None = None
+    """Source: this staging buffer, released by the write (demotion, promotion)."""
+    evicted: list[tuple[BlockKey, int]] = field(default_factory=list)
+    """Blocks this write's slots held, to be read first and demoted (``on_evict``)."""
+    submitted: float = 0.0
+    corrupt: list[BlockKey] = field(default_factory=list)
+    """Source blocks the read found invalid: dropped from ``src_tier`` when settled."""
+
+
+class _Buffers:
+    """Reusable page-aligned (pinned under CUDA) staging buffers, so that a transfer
+    does not pay page faults on fresh memory every time. Thread-safe."""
+
+    KEEP: Final = 64
+
+    def __init__(self, bytes_per_block: int, *, pin_memory: bool) -> None:
+        self.bpb = bytes_per_block
+        self.pin = pin_memory
+        self._free: list[torch.Tensor] = []  # sorted by rows, smallest first
+        self._lent: dict[int, torch.Tensor] = {}  # data_ptr -> whole buffer
+        self._lock = threading.Lock()
+
+    def acquire(self, n: int) -> torch.Tensor:
+        """A ``uint8 [n, bytes_per_block]`` page-aligned view; give it back with
+        :meth:`release`."""
+        with self._lock:
+            for i, whole in enumerate(self._free):
+                if whole.shape[0] >= n:
+                    del self._free[i]
+                    break
+            else:
+                whole = page_aligned_empty(max(n, 16), self.bpb, pin_memory=self.pin)
+            self._lent[whole.data_ptr()] = whole
+        return whole[:n]
+
+    def release(self, view: torch.Tensor) -> None:
+        with self._lock:
+            whole = self._lent.pop(view.data_ptr())
+            if len(self._free) < self.KEEP:
+                self._free.append(whole)
+                self._free.sort(key=lambda b: b.shape[0])
+
+
+class Offloader:
+    """The tiered store. See the module docstring.
+
+    ``pool`` is the engine's block pool (needed by ``submit_store`` / ``submit_load``);
+    ``tiers`` may be passed pre-built (tests), otherwise they are built from
+    ``config`` (persistent tiers recover their blocks). Close it to drain the queues and
+    close the tiers.
+    """
+
+    def __init__(
+        self,
+        config: KVOffloadConfig,
+        layout: KVLayout,
+        pool: BlockPool | None = None,
+        *,
+        tiers: list[Tier] | None = None,
+    ) -> None:
+        self.layout = layout
+        self.pool = pool
+        if pool is not None:
+            pool.check_layout(layout)
+        self.bpb = layout.bytes_per_block
+        self.tier_configs: list[TierConfig] = config.resolved_tiers()
+        self.tiers = tiers if tiers is not None else build_tiers(config, layout)
+        self._lock = threading.Lock()
+        self._loads_done = threading.Condition(self._lock)
+        self._loads_active = 0
+        self._hit_counts: OrderedDict[BlockKey, int] = OrderedDict()
+        self._buffers = _Buffers(self.bpb, pin_memory=torch.cuda.is_available())
+        self._job_seconds = [0.0] * len(self.tiers)  # moving average per store job
+        self._closed = False
+        self.stats = [
+            TierStats(
+                t.name,
+                c.backend,
+                t.manager.capacity,
+                "first" if i == 0 else c.write_policy,
+            )
+            for i, (t, c) in enumerate(zip(self.tiers, self.tier_configs, strict=True))
+        ]
+        self._workers: list[TransferWorker] = []
+        try:
+            for cfg in self.tier_configs:
+                self._workers.append(
+                    TransferWorker(
+                        max_inflight_stores=cfg.max_pending_stores,
+                        max_inflight_loads=MAX_INFLIGHT_LOADS,
+                        name=f"kvoffload-{cfg.name}",
+                    )
+                )
+        except BaseException:
+            self.close()
+            raise
+
+    # -- engine-facing: lookup, store, load, poll --------------------------------------
+    def lookup(self, keys: Sequence[BlockKey]) -> int:
+        """Length of the longest prefix of ``keys`` held ready by some tier."""
+        with self._lock:
+            return len(self._locate(keys))
+
+    def submit_store(self, keys: Sequence[BlockKey], pool_ids: Sequence[int]) -> int | None:
+        """Store pool blocks ``pool_ids`` under ``keys`` into the first tier (and from
+        there down the chain). Returns a job id to poll, or ``None`` when the store was
+        dropped (queue full) or no room could be made; the counts say which. Keys the
+        tier already holds are skipped. The pool blocks must stay untouched until the
+        job finishes."""
+        if len(keys) != len(pool_ids):
+            raise ValueError(f"submit_store: {len(keys)} keys but {len(pool_ids)} pool blocks")
+        self._need_pool()
+        now = time.perf_counter()
+        tier, stats = self.tiers[0], self.stats[0]
+        with self._lock:
+            if not self._accepts(0, len(keys)):
+                return None
+            out = tier.manager.prepare_store(keys)
+            if out is None:
+                stats.rejected_stores += len(keys)
+                return None
+            stats.evictions += len(out.evicted)
+            row = {k: i for i, k in enumerate(keys)}
+            write = _Write(
+                0,
+                out.keys_to_store,
+                out.slots,
+                pool_ids=[pool_ids[row[k]] for k in out.keys_to_store],
+                evicted=list(zip(out.evicted, out.evicted_slots, strict=True)),
+                submitted=now,
+            )
+            job = self._workers[0].submit_store(lambda: self._run_write(write))
+            if job is None:  # only when shut down: _accepts checked the depth
+                self._abort_write(write)
+            return job
+
+    def prepare_load(self, keys: Sequence[BlockKey]) -> LoadPlan:
+        """Find and pin the longest held prefix of ``keys``; reserve first-tier slots for
+        the blocks to promote. Cheap (bookkeeping only); the plan must then be submitted
+        or cancelled."""
+        with self._lock:
+            located = self._locate(keys)
+            plan = LoadPlan(list(keys[: len(located)]), [], len(keys))
+            for i, t in enumerate(located):
+                if plan.runs and plan.runs[-1].tier == t:
+                    plan.runs[-1].stop = i + 1
+                else:
+                    plan.runs.append(_Run(t, i, i + 1, []))
+            for run in plan.runs:
+                run.slots = self.tiers[run.tier].manager.prepare_load(
+                    plan.keys[run.start : run.stop]
+                )
+            lower = [k for k, t in zip(plan.keys, located, strict=True) if t > 0]
+            if lower:
+                out = self.tiers[0].manager.prepare_store(lower)
+                if out is not None:  # no room up top: load from below without promoting
+                    plan.promote_keys, plan.promote_slots = out.keys_to_store, out.slots
+                    plan.promote_evicted = list(zip(out.evicted, out.evicted_slots, strict=True))
+                    self.stats[0].evictions += len(out.evicted)
+            return plan
+
+    def submit_load(self, plan: LoadPlan, pool_ids: Sequence[int]) -> int | None:
+        """Load ``plan`` into pool blocks ``pool_ids`` (one per planned key) on the load
+        lane. The job's result counts the blocks actually loaded (``nbytes //
+        bytes_per_block``): a prefix of the plan, shorter if a block proved corrupt.
+        ``None`` if the load lane is full (the plan is then cancelled: a miss)."""
+        if len(pool_ids) != plan.hits:
+            raise ValueError(f"submit_load: plan of {plan.hits} blocks, {len(pool_ids)} pool ids")
+        self._need_pool()
+        now = time.perf_counter()
+        ids = list(pool_ids)
+        with self._lock:
+            if plan.settled:
+                raise ValueError("submit_load: this plan was already submitted or cancelled")
+            self._loads_active += 1
+            job = self._workers[0].submit_load(lambda: self._run_load(plan, ids, now))
+            if job is None:
+                self._loads_active -= 1
+                self._settle_load(plan, valid=0, corrupt={})
+            return job
+
+    def cancel_load(self, plan: LoadPlan) -> None:
+        """Release a plan that will not be submitted (unpin; free promotion slots)."""
+        with self._lock:
+            if not plan.settled:
+                self._settle_load(plan, valid=0, corrupt={})
+
+    def get_finished(self) -> list[JobResult]:
+        """Results of store and load jobs finished since the last call (never blocks)."""
+        return self._workers[0].get_finished()
+
+    def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> list[JobResult]:
+        """Block until the given jobs finish (or ``timeout``) and take their results."""
+        return self._workers[0].wait(job_ids, timeout)
+
+    def drain(self, timeout: float = 60.0) -> bool:
+        """Wait until every queue, cascades included, is empty; ``False`` on timeout."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(w.pending("store") + w.pending("load") == 0 for w in self._workers):
+                return True
+            time.sleep(0.002)
+        return False
+
+    def close(self) -> None:
+        """Run every queued job, stop the lanes, close the tiers. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        # Upper tiers first: their jobs may queue copies into the lower ones.
+        for worker in self._workers:
+            worker.shutdown(wait=True)
+        for tier in self.tiers:
+            tier.close()
+
+    def __enter__(self) -> Offloader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def check(self) -> list[str]:
+        """Consistency problems of every tier's books and medium (empty when fine)."""
+        with self._lock:
+            return [
+                f"{t.name}: {p}" for t in self.tiers for p in t.manager.check() + t.backend.check()
+            ]
+
+    def pending_stores(self) -> list[int]:
+        """Store jobs queued or running, per tier."""
+        return [w.pending("store") for w in self._workers]
+
+    # -- planning (under the lock) ----------------------------------------------------
+    def _locate(self, keys: Sequence[BlockKey]) -> list[int]:
+        """For the longest held prefix: the index of the fastest tier holding each key."""
+        managers = [t.manager for t in self.tiers]
+        located: list[int] = []
+        for key in keys:
+            for t, manager in enumerate(managers):
+                state = manager.state(key)
+                if state is not None and state.ref_cnt >= 0:
+                    located.append(t)
+                    break
+            else:
+                break
+        return located
+
+    def _accepts(self, t: int, n: int) -> bool:
+        """Whether tier ``t`` takes a new store job now; counts the drop if not."""
+        cfg = self.tier_configs[t]
+        depth = self._workers[t].pending("store")
+        full = depth >= cfg.max_pending_stores
+        if not full and cfg.max_store_delay_ms is not None:
+            full = depth * self._job_seconds[t] * 1e3 > cfg.max_store_delay_ms
+        if full:
+            self.stats[t].dropped_stores += n
+        return not full
+
+    def _admitted(self, t: int, keys: Sequence[BlockKey]) -> list[BlockKey]:
+        need = self.tier_configs[t].admit_after_hits
+        if need == 0:
+            return list(keys)
+        counts = self._hit_counts
+        admitted = [k for k in keys if counts.get(k, 0) >= need]
+        self.stats[t].not_admitted += len(keys) - len(admitted)
+        return admitted
+
+    def _need_pool(self) -> None:
+        if self.pool is None:
+            raise ValueError("this Offloader has no block pool; pass pool= to store or load")
+
+    # -- the store path (job bodies run on lane threads) -------------------------------
+    def _run_write(self, w: _Write) -> int:
+        """Fill a buffer from the write's source, read out what it displaces, write the
+        tier, then settle the books and queue the next tier's copies."""
+        tier, bpb = self.tiers[w.tier], self.bpb
+        n = len(w.keys)
+        buf = w.buf
+        demote_buf: torch.Tensor | None = None
+        ok = [True] * n
+        written = False
+        try:
+            if n and self.tiers[w.tier].backend.persistent and w.tier > 0:
+                self._yield_to_loads()
+            if buf is None and n:
+                buf = self._buffers.acquire(n)
+                if w.pool_ids is not None:
+                    assert self.pool is not None
+                    self.pool.gather(w.pool_ids, buf)
+                else:
+                    assert w.src_tier is not None
+                    assert w.src_slots is not None
+                    got = self._read(w.src_tier, w.src_slots, w.keys, buf)
+                    ok = got if got is not None else [False] * n
+                    if got is not None:
+                        w.corrupt = [k for k, good in zip(w.keys, got, strict=True) if not good]
+            if w.evicted:
+                demote_buf = self._read_evicted(w)
+            good = [i for i in range(n) if ok[i]]
+            if good:
+                src = buf if len(good) == n else buf[torch.tensor(good)]  # type: ignore[index]
+                assert src is not None
+                t0 = time.perf_counter()
+                tier.backend.write(
+                    [w.slots[i] for i in good], [w.keys[i] for i in good], src.contiguous()
+                )
+                seconds = time.perf_counter() - t0
+                seconds += self._throttle(w.tier, len(good) * bpb, seconds)
+                with self._lock:
+                    self.stats[w.tier].write_seconds += seconds
+            written = True
+        finally:
+            if buf is not None and n:
+                self._buffers.release(buf)
+            with self._lock:
+                self._settle_write(
+                    w, ok if written else [False] * n, demote_buf, failed=not written
+                )
+        return sum(ok) * bpb
+
+    def _read_evicted(self, w: _Write) -> torch.Tensor | None:
+        """Read the blocks a write displaces, for ``on_evict`` demotion; ``None`` if the
+        next tier does not want them (or fails to read)."""
+        nxt = w.tier + 1
+        if nxt >= len(self.tiers) or self.tier_configs[nxt].write_policy != "on_evict":
+            return None
+        keys = [k for k, _ in w.evicted]
+        with self._lock:
+            keys = self._admitted(nxt, keys)
+        if not keys:
+            return None
+        slot_of = dict(w.evicted)
+        w.evicted = [(k, slot_of[k]) for k in keys]
+        buf = self._buffers.acquire(len(keys))
+        got = self._read(w.tier, [slot_of[k] for k in keys], keys, buf)
+        ok = got if got is not None else [False] * len(keys)
+        if not all(ok):
+            w.evicted = [e for e, good in zip(w.evicted, ok, strict=True) if good]
+            if not w.evicted:
+                self._buffers.release(buf)
+                return None
+            rows = torch.tensor([i for i, good in enumerate(ok) if good])
+            demote = self._buffers.acquire(len(rows))
+            torch.index_select(buf, 0, rows, out=demote)
+            self._buffers.release(buf)
+            buf = demote
+        return buf
+
+    def _settle_write(
+        self, w: _Write, ok: list[bool], demote_buf: torch.Tensor | None, *, failed: bool
+    ) -> None:
+        """Books for a finished write (under the lock): ready or dropped, unpin the
+        source, then queue write-through copies and demotions into the next tier."""
+        tier, stats = self.tiers[w.tier], self.stats[w.tier]
+        stored = [k for k, good in zip(w.keys, ok, strict=True) if good]
+        lost = [k for k, good in zip(w.keys, ok, strict=True) if not good]
+        tier.manager.complete_store(stored, success=True)
+        tier.manager.complete_store(lost, success=False)
+        if failed:
+            stats.store_errors += len(w.keys)
+        stats.blocks_stored += len(stored)
+        stats.bytes_written += len(stored) * self.bpb
+        elapsed = time.perf_counter() - w.submitted
+        stats.store_latency_s.append(elapsed)
+        avg = self._job_seconds[w.tier]
+        self._job_seconds[w.tier] = elapsed if avg == 0.0 else 0.8 * avg + 0.2 * elapsed
+        if w.src_tier is not None:
+            src = self.tiers[w.src_tier]
+            src.manager.complete_load(w.keys)
+            if w.corrupt:  # they leave their tier for good
+                self._drop_corrupt(w.src_tier, w.corrupt)
+        nxt = w.tier + 1
+        if nxt < len(self.tiers):
+            if demote_buf is not None:
+                keys = [k for k, _ in w.evicted]
+                self._queue_copy(nxt, keys, buf=demote_buf)
+            if stored and self.tier_configs[nxt].write_policy == "write_through":
+                self._queue_copy(nxt, self._admitted(nxt, stored), src_tier=w.tier)
+        elif demote_buf is not None:
+            self._buffers.release(demote_buf)
+
+    def _queue_copy(
+        self,
+        t: int,
+        keys: list[BlockKey],
+        *,
+        src_tier: int | None = None,
+        buf: torch.Tensor | None = None,
+    ) -> None:
+        """Queue a copy of ``keys`` into tier ``t`` (under the lock), from ``buf`` (rows
+        in ``keys`` order) or from ``src_tier``, where they are pinned for the copy."""
+        manager = self.tiers[t].manager
+        rows = [i for i, k in enumerate(keys) if manager.state(k) is None]
+        if len(rows) < len(keys):
+            keys = [keys[i] for i in rows]
+            if buf is not None:
+                if rows:
+                    sub = self._buffers.acquire(len(rows))
+                    torch.index_select(buf, 0, torch.tensor(rows), out=sub)
+                else:
+                    sub = None
+                self._buffers.release(buf)
+                buf = sub
+        if not keys:
+            return
+        if not self._accepts(t, len(keys)):
+            if buf is not None:
+                self._buffers.release(buf)
+            return
+        out = manager.prepare_store(keys)
+        if out is None:
+            self.stats[t].rejected_stores += len(keys)
+            if buf is not None:
+                self._buffers.release(buf)
+            return
+        self.stats[t].evictions += len(out.evicted)
+        write = _Write(
+            t,
+            out.keys_to_store,
+            out.slots,
+            buf=buf,
+            evicted=list(zip(out.evicted, out.evicted_slots, strict=True)),
+            submitted=time.perf_counter(),
+        )
+        if src_tier is not None:
+            write.src_tier = src_tier
+            write.src_slots = self.tiers[src_tier].manager.prepare_load(out.keys_to_store)
+        job = self._workers[t].submit_store(lambda: self._run_write(write), _ignore_result)
+        if job is None:
+            self._abort_write(write)
+
+    def _abort_write(self, w: _Write) -> None:
+        """Undo a write that never ran (under the lock)."""
+        self.tiers[w.tier].manager.complete_store(w.keys, success=False)
+        if w.src_tier is not None:
+            self.tiers[w.src_tier].manager.complete_load(w.keys)
+        if w.buf is not None:
+            self._buffers.release(w.buf)
+
+    def _throttle(self, t: int, nbytes: int, seconds: float) -> float:
+        rate = self.tier_configs[t].write_throttle
+        if rate is None:
+            return 0.0
+        extra = nbytes / rate - seconds
+        if extra > 0:
+            time.sleep(extra)
+            return extra
+        return 0.0
+
+    def _yield_to_loads(self) -> None:
+        with self._lock:
+            if self._loads_active:
+                self._loads_done.wait_for(lambda: self._loads_active == 0, LOAD_PRIORITY_WAIT_S)
+
+    # -- the load path ------------------------------------------------------------------
+    def _read(
+        self,
+        t: int,
+        slots: Sequence[int],
+        keys: Sequence[BlockKey],
+        buf: torch.Tensor,
+    ) -> list[bool] | None:
+        """Read into ``buf``: per-block validity, or ``None`` after an I/O error (a
+        miss, but no proof the stored blocks are bad, so they are not dropped)."""
+        t0 = time.perf_counter()
+        ok: list[bool] | None
+        try:
+            ok = self.tiers[t].backend.read(slots, keys, buf)
+        except BackendError:
+            logger.warning(
+                "tier %s: read of %d blocks failed; a miss", self.tiers[t].name, len(keys)
+            )
+            ok = None
+        seconds = time.perf_counter() - t0
+        with self._lock:
+            stats = self.stats[t]
+            stats.read_seconds += seconds
+            stats.bytes_read += sum(ok) * self.bpb if ok is not None else 0
+        return ok
+
+    def _drop_corrupt(self, t: int, keys: Sequence[BlockKey]) -> None:
+        """Drop blocks a read found invalid (under the lock), so they stay misses after
+        a restart. One pinned by another reader is left to that reader, which will find
+        it invalid too."""
+        manager = self.tiers[t].manager
+        free = [k for k in keys if (s := manager.state(k)) is not None and s.ref_cnt == 0]
+        if free:
+            self.tiers[t].drop(free)
+        self.stats[t].corrupt_blocks += len(keys)
+
+    def _run_load(self, plan: LoadPlan, pool_ids: list[int], submitted: float) -> int:
+        n = plan.hits
+        buf = self._buffers.acquire(n) if n else None
+        corrupt: dict[int, list[BlockKey]] = {}
+        valid = 0
+        try:
+            if buf is not None:
+                for run in plan.runs:
+                    keys = plan.keys[run.start : run.stop]
+                    part = self._read(run.tier, run.slots, keys, buf[run.start : run.stop])
+                    if part is None:
+                        break  # an I/O error: the prefix ends here
+                    bad = [k for k, good in zip(keys, part, strict=True) if not good]
+                    if bad:
+                        corrupt.setdefault(run.tier, []).extend(bad)
+                        valid = run.start + part.index(False)
+                        break
+                    valid = run.stop
+                if valid:
+                    assert self.pool is not None
+                    self.pool.scatter(pool_ids[:valid], buf[:valid])
+                self._promote(plan, buf, valid)
+        finally:
+            with self._lock:
+                self._loads_active -= 1
+                self._loads_done.notify_all()
+                self._settle_load(plan, valid, corrupt)
+                deepest = max((r.tier for r in plan.runs), default=0)
+                self.stats[deepest].load_latency_s.append(time.perf_counter() - submitted)
+            if buf is not None:
+                self._buffers.release(buf)
+        return valid * self.bpb
+
+    def _promote(self, plan: LoadPlan, buf: torch.Tensor, valid: int) -> None:
+        """Write the valid promoted blocks into their reserved first-tier slots (inline,
+        on the load lane: they are in the staging buffer now, and nowhere else fast)."""
+        if not plan.promote_keys:
+            return
+        pos = {k: i for i, k in enumerate(plan.keys)}
+        rows = [pos[k] for k in plan.promote_keys]
+        keep = [i for i, r in enumerate(rows) if r < valid]
+        write = _Write(
+            0,
+            [plan.promote_keys[i] for i in keep],
+            [plan.promote_slots[i] for i in keep],
+            evicted=plan.promote_evicted,
+            submitted=time.perf_counter(),
+        )
+        if keep:
+            write.buf = self._buffers.acquire(len(keep))
+            torch.index_select(buf, 0, torch.tensor([rows[i] for i in keep]), out=write.buf)
+        dropped = [plan.promote_keys[i] for i in range(len(rows)) if i not in set(keep)]
+        plan.promote_keys = []
+        with self._lock:
+            self.tiers[0].manager.complete_store(dropped, success=False)
+            self.stats[0].promotions += len(keep)
+        self._run_write(write)
+
+    def _settle_load(self, plan: LoadPlan, valid: int, corrupt: dict[int, list[BlockKey]]) -> None:
+        """Books for a finished or cancelled load (under the lock): unpin, touch the
+        loaded prefix, drop corrupt blocks, count hits; admission-triggered copies."""
+        if plan.settled:
+            return
+        plan.settled = True
+        if plan.promote_keys:  # never written: cancelled, or the job failed early
+            self.tiers[0].manager.complete_store(plan.promote_keys, success=False)
+            plan.promote_keys = []
+        loaded = plan.keys[:valid]
+        for run in plan.runs:
+            tier = self.tiers[run.tier]
+            keys = plan.keys[run.start : run.stop]
+            tier.manager.complete_load(keys)
+            tier.manager.touch(keys[: max(0, valid - run.start)])
+        for t, bad in corrupt.items():
+            self._drop_corrupt(t, bad)
+        # Each requested block is a hit in the tier that served it and a miss in every
+        # tier above; one not served is a miss in every tier.
+        reached = plan.requested
+        for t, stats in enumerate(self.stats):
+            served = sum(max(0, min(r.stop, valid) - r.start) for r in plan.runs if r.tier == t)
+            stats.hits += served
+            stats.misses += reached - served
+            reached -= served
+        self._count_hits(loaded)
+
+    def _count_hits(self, loaded: Sequence[BlockKey]) -> None:
+        """Remember load counts for the admission filter; queue write-through copies of
+        blocks that just reached a lower tier's ``admit_after_hits``."""
+        if not loaded:
+            return
+        counts = self._hit_counts
+        for key in loaded:
+            counts[key] = counts.get(key, 0) + 1
+            counts.move_to_end(key)
+        while len(counts) > HIT_COUNTS:
+            counts.popitem(last=False)
+        for t in range(1, len(self.tiers)):
+            cfg = self.tier_configs[t]
+            if cfg.admit_after_hits and cfg.write_policy == "write_through":
+                ready = [k for k in loaded if counts[k] == cfg.admit_after_hits]
+                src = self.tiers[t - 1].manager
+                ready = [k for k in ready if (s := src.state(k)) is not None and s.ref_cnt >= 0]
+                if ready:
+                    self._queue_copy(t, ready, src_tier=t - 1)
+
+
+def _ignore_result(result: JobResult) -> None:
+    """Cascade jobs report through the tiers' counters, not through results."""
