@@ -41,6 +41,11 @@ class CPUBackend(Backend):
         self.slab = torch.empty(
             (self.num_slots, layout.bytes_per_block), dtype=torch.uint8, pin_memory=pin
         )
+        if not pin:
+            # Touch every page now (pinned memory already is): otherwise the first store
+            # into each slot pays its page faults, and a fresh tier writes at a third
+            # of the speed of a warm one, inside the transfer the engine waits for.
+            self.slab.zero_()
         # Indexed copies over uint8 rows run several times slower than over int64 rows
         # of the same bytes; copy through the widest view the block size allows.
         self._width = next(w for w in (8, 4, 2, 1) if layout.bytes_per_block % w == 0)

@@ -64,6 +64,11 @@ LOAD_PRIORITY_WAIT_S: Final = 0.02
 HIT_COUNTS: Final = 1 << 20
 """Keys whose load count the admission filter remembers (least recent forgotten)."""
 MAX_INFLIGHT_LOADS: Final = 64
+COPY_THREADS: Final = 2
+"""Threads draining a lower tier's store lane. Its jobs are independent copies into
+distinct slots, so two may run at once: one's fdatasync and bookkeeping overlap the
+other's I/O, and the disk sees twice the queue depth (the first tier keeps one
+thread: the engine's stores stay FIFO)."""
 
 
 @dataclass
@@ -160,7 +165,8 @@ class _Buffers:
     """Reusable page-aligned (pinned under CUDA) staging buffers, so that a transfer
     does not pay page faults on fresh memory every time. Thread-safe."""
 
-    KEEP: Final = 64
+    KEEP_BYTES: Final = 512 * 1024**2
+    """Free buffers kept for reuse, in bytes; beyond it they go back to the allocator."""
 
     def __init__(self, bytes_per_block: int, *, pin_memory: bool) -> None:
         self.bpb = bytes_per_block
@@ -185,7 +191,8 @@ class _Buffers:
     def release(self, view: torch.Tensor) -> None:
         with self._lock:
             whole = self._lent.pop(view.data_ptr())
-            if len(self._free) < self.KEEP:
+            kept = sum(b.numel() for b in self._free)
+            if kept + whole.numel() <= self.KEEP_BYTES:
                 self._free.append(whole)
                 self._free.sort(key=lambda b: b.shape[0])
 
@@ -237,6 +244,7 @@ class Offloader:
                     TransferWorker(
                         max_inflight_stores=cfg.max_pending_stores,
                         max_inflight_loads=MAX_INFLIGHT_LOADS,
+                        store_threads=1 if not self._workers else COPY_THREADS,
                         name=f"kvoffload-{cfg.name}",
                     )
                 )
@@ -459,12 +467,16 @@ class Offloader:
                     self.stats[w.tier].write_seconds += seconds
             written = True
         finally:
-            if buf is not None and n:
-                self._buffers.release(buf)
             with self._lock:
-                self._settle_write(
-                    w, ok if written else [False] * n, demote_buf, failed=not written
+                handed_on = self._settle_write(
+                    w,
+                    ok if written else [False] * n,
+                    demote_buf,
+                    failed=not written,
+                    buf=buf if written and n else None,
                 )
+            if buf is not None and n and not handed_on:
+                self._buffers.release(buf)
         return sum(ok) * bpb
 
     def _read_evicted(self, w: _Write) -> torch.Tensor | None:
@@ -496,10 +508,21 @@ class Offloader:
         return buf
 
     def _settle_write(
-        self, w: _Write, ok: list[bool], demote_buf: torch.Tensor | None, *, failed: bool
-    ) -> None:
+        self,
+        w: _Write,
+        ok: list[bool],
+        demote_buf: torch.Tensor | None,
+        *,
+        failed: bool,
+        buf: torch.Tensor | None,
+    ) -> bool:
         """Books for a finished write (under the lock): ready or dropped, unpin the
-        source, then queue write-through copies and demotions into the next tier."""
+        source, then queue write-through copies and demotions into the next tier.
+
+        ``buf`` holds the bytes just written (row ``i`` for ``w.keys[i]``): a
+        write-through copy takes it over instead of reading the blocks back from this
+        tier, so the copy neither pins them nor costs a read. Returns whether it did
+        (the caller then must not release ``buf``)."""
         tier, stats = self.tiers[w.tier], self.stats[w.tier]
         stored = [k for k, good in zip(w.keys, ok, strict=True) if good]
         lost = [k for k, good in zip(w.keys, ok, strict=True) if not good]
@@ -519,14 +542,22 @@ class Offloader:
             if w.corrupt:  # they leave their tier for good
                 self._drop_corrupt(w.src_tier, w.corrupt)
         nxt = w.tier + 1
+        handed_on = False
         if nxt < len(self.tiers):
             if demote_buf is not None:
                 keys = [k for k, _ in w.evicted]
                 self._queue_copy(nxt, keys, buf=demote_buf)
             if stored and self.tier_configs[nxt].write_policy == "write_through":
-                self._queue_copy(nxt, self._admitted(nxt, stored), src_tier=w.tier)
+                admitted = self._admitted(nxt, stored)
+                if admitted and buf is not None:
+                    row = {k: i for i, k in enumerate(w.keys)}
+                    self._queue_copy(nxt, admitted, buf=buf, rows=[row[k] for k in admitted])
+                    handed_on = True
+                elif admitted:
+                    self._queue_copy(nxt, admitted, src_tier=w.tier)
         elif demote_buf is not None:
             self._buffers.release(demote_buf)
+        return handed_on
 
     def _queue_copy(
         self,
@@ -535,33 +566,32 @@ class Offloader:
         *,
         src_tier: int | None = None,
         buf: torch.Tensor | None = None,
+        rows: list[int] | None = None,
     ) -> None:
-        """Queue a copy of ``keys`` into tier ``t`` (under the lock), from ``buf`` (rows
-        in ``keys`` order) or from ``src_tier``, where they are pinned for the copy."""
+        """Queue a copy of ``keys`` into tier ``t`` (under the lock): from ``buf``, whose
+        row ``rows[i]`` (default ``i``) holds ``keys[i]`` and which this call takes over,
+        or from ``src_tier``, where the blocks are pinned until the copy has read them.
+        Keys the tier already holds, or is writing, are left out."""
         manager = self.tiers[t].manager
-        rows = [i for i, k in enumerate(keys) if manager.state(k) is None]
-        if len(rows) < len(keys):
-            keys = [keys[i] for i in rows]
-            if buf is not None:
-                if rows:
-                    sub = self._buffers.acquire(len(rows))
-                    torch.index_select(buf, 0, torch.tensor(rows), out=sub)
-                else:
-                    sub = None
-                self._buffers.release(buf)
-                buf = sub
+        keep = [i for i, k in enumerate(keys) if manager.state(k) is None]
+        keys = [keys[i] for i in keep]
+        if buf is not None:
+            picked = [(rows[i] if rows is not None else i) for i in keep]
+            buf = self._pick_rows(buf, picked)
         if not keys:
             return
-        if not self._accepts(t, len(keys)):
-            if buf is not None:
-                self._buffers.release(buf)
-            return
-        out = manager.prepare_store(keys)
+        out = None
+        if self._accepts(t, len(keys)):  # counts the drop when not
+            out = manager.prepare_store(keys)
+            if out is None:
+                self.stats[t].rejected_stores += len(keys)
         if out is None:
-            self.stats[t].rejected_stores += len(keys)
             if buf is not None:
                 self._buffers.release(buf)
             return
+        if buf is not None and out.keys_to_store != keys:  # repeated keys were merged
+            first = {k: i for i, k in reversed(list(enumerate(keys)))}
+            buf = self._pick_rows(buf, [first[k] for k in out.keys_to_store])
         self.stats[t].evictions += len(out.evicted)
         write = _Write(
             t,
@@ -577,6 +607,20 @@ class Offloader:
         job = self._workers[t].submit_store(lambda: self._run_write(write), _ignore_result)
         if job is None:
             self._abort_write(write)
+
+    def _pick_rows(self, buf: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
+        """``buf``'s ``rows``, in that order, as a buffer of their own (``buf`` itself
+        when they are its leading rows); ``buf`` is released otherwise. Copies under
+        the lock only when some blocks were left out, which is rare and small."""
+        if rows == list(range(len(rows))):
+            if rows:
+                return buf[: len(rows)]
+            self._buffers.release(buf)
+            return None
+        sub = self._buffers.acquire(len(rows))
+        torch.index_select(buf, 0, torch.tensor(rows), out=sub)
+        self._buffers.release(buf)
+        return sub
 
     def _abort_write(self, w: _Write) -> None:
         """Undo a write that never ran (under the lock)."""

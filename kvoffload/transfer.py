@@ -20,7 +20,11 @@ reaches the caller's thread.
 Ordering: each direction is one *lane*, a FIFO queue drained by its own thread, so jobs
 of one direction run and finish in submission order (a load lane that reorders would
 scatter blocks of a prefix out of order; a store lane that reorders could let a later
-write of a slot land before an earlier one). Stores and loads have separate lanes, so
+write of a slot land before an earlier one). The one exception is opt-in:
+``store_threads=N`` drains the store lane with N threads, for owners whose store jobs
+are independent of each other (the Offloader's copies into a disk tier, each into its
+own slots): jobs then start in order but may finish out of order, and N of them keep
+the disk's queue N times deeper. Stores and loads have separate lanes, so
 a load, which the engine is waiting for, never queues behind a burst of stores, which
 nobody is waiting for.
 
@@ -49,7 +53,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Final, Literal, get_args
 
@@ -125,7 +129,7 @@ class _Lane:
     work: threading.Condition
     """Signalled when a job is queued or the worker shuts down."""
     queue: deque[_Job]
-    thread: threading.Thread | None = None
+    threads: list[threading.Thread] = field(default_factory=list)
     inflight: int = 0  # queued + running
     submitted: int = 0
     rejected: int = 0
@@ -157,11 +161,13 @@ class TransferWorker:
         *,
         max_inflight_stores: int = 64,
         max_inflight_loads: int = 64,
+        store_threads: int = 1,
         name: str = "kvoffload-transfer",
     ) -> None:
         for arg, value in (
             ("max_inflight_stores", max_inflight_stores),
             ("max_inflight_loads", max_inflight_loads),
+            ("store_threads", store_threads),
         ):
             if value < 1:
                 raise ValueError(f"TransferWorker: {arg} = {value}; it must be at least 1")
@@ -182,17 +188,18 @@ class TransferWorker:
         }
         try:
             for lane in self._lanes.values():
-                # Daemon: a worker the owner forgot to shut down must not keep the
-                # process alive. Stores interrupted that way are torn writes, which the
-                # disk tiers' checksummed headers already reject on reopen.
-                thread = threading.Thread(
-                    target=self._run_lane,
-                    args=(lane,),
-                    name=f"{name}-{lane.direction}",
-                    daemon=True,
-                )
-                thread.start()
-                lane.thread = thread  # only once started: shutdown() joins it
+                for k in range(store_threads if lane.direction == "store" else 1):
+                    # Daemon: a worker the owner forgot to shut down must not keep the
+                    # process alive. Stores interrupted that way are torn writes, which
+                    # the disk tiers' checksummed headers already reject on reopen.
+                    thread = threading.Thread(
+                        target=self._run_lane,
+                        args=(lane,),
+                        name=f"{name}-{lane.direction}-{k}",
+                        daemon=True,
+                    )
+                    thread.start()
+                    lane.threads.append(thread)  # only once started: shutdown() joins it
         except BaseException:
             # "can't start new thread" for the second lane must not leak the first.
             self.shutdown(wait=False)
@@ -220,7 +227,8 @@ class TransferWorker:
     def get_finished(self) -> list[JobResult]:
         """Take the results of all jobs finished since the last call (never blocks).
 
-        Within one direction, results come in submission order. Results already taken by
+        Within one direction, results come in submission order (for the store lane,
+        only with ``store_threads=1``). Results already taken by
         :meth:`wait`, and those of ``run_*`` jobs, are not repeated here."""
         with self._lock:
             results = list(self._finished.values())
@@ -327,9 +335,10 @@ class TransferWorker:
             )
         current = threading.current_thread()
         for lane in self._lanes.values():
-            # A job calling shutdown() runs on a lane thread, which cannot join itself.
-            if lane.thread is not None and lane.thread is not current:
-                lane.thread.join()
+            for thread in lane.threads:
+                # A job calling shutdown() runs on a lane thread, which cannot join itself.
+                if thread is not current:
+                    thread.join()
 
     def __enter__(self) -> TransferWorker:
         return self

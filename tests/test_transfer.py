@@ -406,6 +406,34 @@ def test_shutdown_without_waiting_cancels_queued_jobs_as_failed_results() -> Non
     w.shutdown(wait=False)
 
 
+def test_store_threads_run_independent_stores_side_by_side_and_shut_down() -> None:
+    """With ``store_threads=2`` a second store starts while the first still runs (the
+    first waits for it; on one thread it would time out), and both threads join."""
+    second_started = threading.Event()
+
+    def first() -> int:
+        if not second_started.wait(timeout=5):
+            raise TimeoutError("the second store never started")
+        return 1
+
+    def second() -> int:
+        second_started.set()
+        return 2
+
+    w = TransferWorker(store_threads=2, name=NAME)
+    assert len(_worker_threads()) == 3  # two store threads, one load thread
+    a, b = w.submit_store(first), w.submit_store(second)
+    assert a is not None
+    assert b is not None
+    results = {r.job_id: r for r in w.wait([a, b], timeout=10)}
+    assert results[a].success, results[a].error
+    assert results[b].success
+    w.shutdown(wait=True)
+    assert _worker_threads() == []
+    with pytest.raises(ValueError, match="store_threads = 0"):
+        TransferWorker(store_threads=0)
+
+
 def test_context_manager_shuts_down_on_exit() -> None:
     with TransferWorker(name=NAME) as w:
         job_id = w.submit_store(_sleeping(0.05))
