@@ -8,26 +8,97 @@ attention: ``[2, B, N, H, D]`` with ``block_dim=1``; the canonical pool of
 
 A block's *packed* form, the unit every tier stores, is the concatenation of its
 per-layer bytes, layer 0 first. :meth:`gather` and :meth:`scatter` move many blocks
-between the pool and a ``uint8 [n, bytes_per_block]`` staging buffer with one
-vectorised copy per layer (not per layer x block), writing straight into the staging
-buffer's per-layer columns so no intermediate copy is made. Where a layer's block is
-contiguous, both sides are viewed as rows of the widest integer type that divides the
-sizes and offsets: torch's indexed copies then run at memcpy speed, where the same copy
-over bf16 5-D views or uint8 rows measured 3-8x slower.
+between the pool and a ``uint8 [n, bytes_per_block]`` staging buffer, writing straight
+into the staging buffer's per-layer columns so no intermediate copy is made. Where a
+layer's block is contiguous, both sides are viewed as rows of the widest element type
+that divides the sizes and offsets, so each block's bytes of a layer are one row and
+torch copies a few wide elements instead of many narrow ones. On a GPU that is one
+``index_select`` / ``index_copy_`` per layer over int64 rows.
+
+On the host, copies are bound by memory bandwidth, and two things decide whether they
+reach it. Figures: ratios to a plain ``dst.copy_(src)`` of the same bytes (torch, two
+threads), ``kvoffload/bench_cpu.py`` on a 2-core VM, blocks of 64 KiB-2 MiB drawn at
+random from a pool twice the batch, best of 7; *idle*: nothing else running, *loaded*:
+another process spinning on one core.
+
+* **Element width.** ``index_copy_`` copies element by element: over int64 rows the
+  scatter ran at 0.35-0.6x. Viewing rows as 16-byte elements (``complex128``, only ever
+  copied, never computed on) halves the element count: 0.8-1.0x idle. ``index_select``
+  ``memcpy``-s whole rows either way; 16-byte elements only double what one call may
+  move without OpenMP (:data:`SERIAL_ELEMS`). So host rows use 16-byte elements.
+* **Who runs the copy.** Torch runs each per-layer op as an OpenMP region split in fixed
+  halves: the *team* strategy. Idle it is as fast as it gets (gather 0.8-0.95x; a C
+  ``memcpy`` loop on two threads did no better). Loaded, every region waits for its half
+  on the busy core: gather 0.55-0.85x, and 0.1-0.25x for 32 layers under heavier load.
+  The *queue* strategy cuts the work into calls that copy in the calling thread
+  (``index_select`` of at most ``SERIAL_ELEMS // row_elements`` rows, which ATen runs
+  inline; for the scatter, numpy fancy assignment ``rows[ids] = column``, one C loop over
+  whole rows with the GIL released) and has the caller and one helper thread pop them
+  from one queue, so a paused thread delays only the call it is in: loaded, gather
+  0.75-0.9x, scatter 1.0-1.3x. Idle it trails the team by 0.1-0.2 (the helper wakes 1-5
+  ms late, and after any OpenMP op shares its core with OpenMP's spinning worker for a
+  few ms more). Which one wins changes with the machine's load within seconds, so
+  :class:`Chooser` times both and keeps the faster, for batches of
+  :data:`QUEUE_MIN_BYTES` and more. Both write the same bytes.
+
+At 64 KiB blocks (16 KiB per layer) a gather from random blocks reaches 0.75-0.85x in
+either regime, as does a plain C loop: 16 KiB random reads, not the copy calls, set it.
+
+Measured and not used: coalescing runs of consecutive ids into slice copies (ids drawn
+at random hardly ever follow each other; for fully consecutive ids, torch slice copies
+ran like the team and numpy ones like a one-thread queue, no faster than the paths
+here, since they face the same OpenMP-or-one-thread trade-off); ``index_put_``
+(as fast as ``index_copy_``, no faster); ``torch._foreach_copy_``, a Python loop of
+per-chunk ``copy_`` or of ``ctypes.memmove`` (0.4-0.7x: per-call overhead on 16-64 KiB
+chunks); ``np.take(out=)`` (it buffers a non-contiguous output: 0.15x); a gather into a
+cache-sized scratch, then a copy to the column (two passes: 0.5-0.65x); Python threads
+around whole-layer ``index_select`` / ``index_copy_`` (their OpenMP teams compete).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Any, Final
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
+from typing import Any, ClassVar, Final
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from kvoffload.exceptions import LayoutMismatchError
 from kvoffload.layout import KVLayout
 
 PAGE: Final = 4096
+
+SERIAL_ELEMS: Final = 32768
+"""ATen's ``at::internal::GRAIN_SIZE``. On the host, ``index_select`` of rows of ``e``
+elements (``e`` below this) ``memcpy``-s them in the calling thread when the call has at
+most ``SERIAL_ELEMS // e`` rows, and in an OpenMP region otherwise; rows of more elements
+get one ``copy_`` (an OpenMP region) each, so the queue gathers those (512 KiB and more
+per layer at 16-byte elements) with one numpy row copy per block instead. Were a torch
+release to change the constant, the queue's calls would only go parallel again: slower
+under load, never wrong."""
+
+QUEUE_MIN_BYTES: Final = 4 * 2**20
+"""Host batches from this size choose between the team and the queue strategies;
+smaller ones take the team's per-layer ops (a helper thread costs tens of us to wake)."""
+
+_TASK_BYTES: Final = 4 * 2**20
+"""About the bytes one numpy call of the queue moves."""
+
+_DEVICE_WIDTHS: Final = ((8, torch.int64), (4, torch.int32), (2, torch.int16))
+# Host rows are only ever copied (memcpy, element copies, numpy as int64), so a 16-byte
+# element is just a wider unit; on a GPU the int64 kernels stay as they were validated.
+_HOST_WIDTHS: Final = ((16, torch.complex128), *_DEVICE_WIDTHS)
+
+_helper_lock = threading.Lock()
+_helper: ThreadPoolExecutor | None = None
 
 
 def page_aligned_empty(n: int, row_bytes: int, *, pin_memory: bool = False) -> torch.Tensor:
@@ -48,8 +119,149 @@ def byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(arr).cast("B")
 
 
+def run_queue(batches: Iterable[Sequence[Callable[[], object]]]) -> None:
+    """Run independent host copy calls on the calling thread and one helper thread.
+
+    Each call must release the GIL while it copies (torch ops and numpy copies do). Both
+    threads pop from one queue, so a thread the OS pauses holds up only the call it is
+    in. The helper is woken as soon as the first batch is queued: waking it takes 1-5 ms,
+    time the caller spends queueing the other batches. The caller never depends on the
+    helper: if it is busy with another transfer, the caller empties the queue itself and
+    withdraws the request.
+    """
+    queue: deque[Callable[[], object]] = deque()
+    future: Future[None] | None = None
+    try:
+        for batch in batches:
+            queue.extend(batch)
+            if future is None and len(queue) > 1:
+                future = _copy_helper().submit(_drain, queue)
+        _drain(queue)
+    finally:
+        queue.clear()  # after an error: the helper stops at its current call
+        if future is not None and not future.cancel():
+            future.result()  # wait for the helper's last call; re-raise its error
+
+
+def worth_choosing(nbytes: int) -> bool:
+    """Whether a host batch of ``nbytes`` picks between the team and the queue (see the
+    module docstring): large enough, and torch allowed more than one thread."""
+    return nbytes >= QUEUE_MIN_BYTES and torch.get_num_threads() > 1
+
+
+def _drain(queue: deque[Callable[[], object]]) -> None:
+    while True:
+        try:
+            task = queue.popleft()  # atomic: the two threads never get the same task
+        except IndexError:
+            return
+        task()
+
+
+def _forget_helper() -> None:
+    """In a forked child the helper thread does not exist: start a new one on demand."""
+    global _helper, _helper_lock
+    _helper, _helper_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_helper)
+
+
+def _copy_helper() -> ThreadPoolExecutor:
+    """The process's one helper thread for host copies (created on first use)."""
+    global _helper
+    with _helper_lock:
+        if _helper is None:
+            _helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvoffload-copy")
+        return _helper
+
+
+class Chooser:
+    """Keeps the faster of the host strategies (0: team, 1: queue) by timing them.
+
+    A strategy's speed is the best of its last :attr:`KEEP` timings: on a shared machine
+    noise only ever adds time (the reason ``bench_cpu`` keeps best times too), and the
+    first batch also pays for first-touch page faults. Each strategy is timed on one of
+    the first two batches; then the faster runs, and the other is timed again after 2
+    batches, then after 4, 8, ... up to :attr:`MAX_GAP` while it keeps losing (back to 2
+    when it wins), so a change of load is noticed without paying the slower strategy
+    often. Races between two threads only blur the bookkeeping: both strategies write
+    the same bytes.
+    """
+
+    KEEP: ClassVar[int] = 3
+    MAX_GAP: ClassVar[int] = 64
+
+    def __init__(self) -> None:
+        self.rates: tuple[deque[float], deque[float]] = (
+            deque(maxlen=self.KEEP),
+            deque(maxlen=self.KEEP),
+        )  # bytes/s of each strategy's latest batches
+        self.best = 0
+        self._gap = 2  # batches between timings of the other strategy
+        self._left = 2  # batches until the next one
+
+    def pick(self) -> int:
+        for choice, rates in enumerate(self.rates):
+            if not rates:
+                return choice
+        return 1 - self.best if self._left <= 0 else self.best
+
+    def record(self, choice: int, rate: float) -> None:
+        self.rates[choice].append(rate)
+        team, queue = self.rates
+        if not team or not queue:
+            return
+        probed = self._left <= 0 and choice != self.best
+        self.best = 0 if max(team) >= max(queue) else 1
+        if probed:
+            self._gap = 2 if self.best == choice else min(2 * self._gap, self.MAX_GAP)
+            self._left = self._gap
+        else:
+            self._left -= 1
+
+    def run(self, nbytes: int, team: Callable[[], object], queue: Callable[[], object]) -> None:
+        choice = self.pick()
+        start = time.perf_counter()
+        (queue if choice else team)()
+        self.record(choice, nbytes / max(time.perf_counter() - start, 1e-9))
+
+
+def _select(rows: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
+    torch.index_select(rows, 0, index, out=out)
+
+
+def _select_shaped(view: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(view.index_select(0, index))
+
+
+def _copy_rows(
+    src: npt.NDArray[Any], dst: npt.NDArray[Any], block_ids: Sequence[int], first: int
+) -> None:
+    for row, block in enumerate(block_ids, first):
+        dst[row] = src[block]
+
+
+def _assign(dst: npt.NDArray[Any], index: npt.NDArray[np.int64], src: npt.NDArray[Any]) -> None:
+    dst[index] = src
+
+
+def _numpy(t: torch.Tensor) -> npt.NDArray[Any]:
+    """``t``'s memory as a numpy array, 16-byte elements as int64 pairs (numpy then
+    copies plain integers: bit-exact whatever the bytes)."""
+    if t.dtype == torch.complex128:
+        t = t.view(torch.int64)
+    arr: npt.NDArray[Any] = t.detach().numpy()
+    return arr
+
+
 class BlockPool:
     """Numbered blocks over a list of per-layer tensors sharing the block dimension."""
+
+    _host_paths: ClassVar[bool] = True
+    """Use the host row views and strategies for a CPU pool. Tests turn it off to run,
+    on CPU tensors, the code a CUDA pool runs."""
 
     def __init__(self, kv_caches: Sequence[torch.Tensor], block_dim: int = 0) -> None:
         if not kv_caches:
@@ -76,10 +288,12 @@ class BlockPool:
         for off, v in zip(self.layer_offsets, views, strict=True):
             if off % v.element_size():
                 raise LayoutMismatchError("layer byte offsets must be multiples of the dtype size")
-        # Per layer: (row view [num_blocks, elems] of a wide int dtype, that dtype), or
+        self._host = device.type == "cpu" and self._host_paths
+        widths = _HOST_WIDTHS if self._host else _DEVICE_WIDTHS
+        # Per layer: (row view [num_blocks, elems] of a wide dtype, that dtype), or
         # None when the layer's block is not contiguous and the shaped view must serve.
         self._rows: list[tuple[torch.Tensor, torch.dtype] | None] = [
-            self._row_view(v, off, nbytes)
+            self._row_view(v, off, nbytes, widths)
             for v, off, nbytes in zip(views, self.layer_offsets, self.layer_bytes, strict=True)
         ]
         # Alignment a staging buffer needs for the typed column views above.
@@ -87,6 +301,12 @@ class BlockPool:
             (r[0].element_size() if r is not None else v.element_size())
             for r, v in zip(self._rows, views, strict=True)
         )
+        # Host only, per row layer: the rows as a numpy array, for the queue strategy.
+        self._np_rows: list[npt.NDArray[Any] | None] = [
+            _numpy(r[0]) if r is not None and self._host else None for r in self._rows
+        ]
+        self._gather_pick = Chooser()
+        self._scatter_pick = Chooser()
 
     @classmethod
     def allocate(
@@ -138,7 +358,8 @@ class BlockPool:
         return page_aligned_empty(n, self.bytes_per_block, pin_memory=pin_memory)
 
     def gather(self, block_ids: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
-        """Pack blocks ``block_ids`` into ``out`` (``uint8 [n, bytes_per_block]``)."""
+        """Pack blocks ``block_ids`` (repeats allowed) into ``out`` (``uint8 [n,
+        bytes_per_block]``)."""
         n = len(block_ids)
         if out is None:
             out = torch.empty((n, self.bytes_per_block), dtype=torch.uint8, device=self.device)
@@ -150,12 +371,15 @@ class BlockPool:
         # filled through an aligned temporary: one extra copy, only in that case.
         target = out if direct else torch.empty(out.shape, dtype=torch.uint8, device=self.device)
         index = self._index(block_ids)
-        for i, view in enumerate(self._views):
-            rows = self._rows[i]
-            if rows is not None:
-                torch.index_select(rows[0], 0, index, out=self._wide_column(target, i, rows[1]))
-            else:
-                self._column(target, i).copy_(view.index_select(0, index))
+        nbytes = n * self.bytes_per_block
+        if self._choosing(nbytes):
+            self._gather_pick.run(
+                nbytes,
+                partial(self._gather_team, index, target),
+                partial(self._gather_queue, block_ids, index, target),
+            )
+        else:
+            self._gather_team(index, target)
         if target is not out:
             # Blocking: the caller reads ``out`` as soon as this returns. The transfer
             # worker overlaps copies with its own streams and events instead.
@@ -163,7 +387,9 @@ class BlockPool:
         return out
 
     def scatter(self, block_ids: Sequence[int], src: torch.Tensor) -> None:
-        """Unpack ``src`` (``uint8 [n, bytes_per_block]``) into blocks ``block_ids``."""
+        """Unpack ``src`` (``uint8 [n, bytes_per_block]``) into blocks ``block_ids``.
+
+        The ids must be distinct: a block named twice ends up with unspecified bytes."""
         n = len(block_ids)
         self._check_buffer(src, n)
         if n == 0:
@@ -173,6 +399,31 @@ class BlockPool:
         if not self._aligned(src):
             src = src.clone()
         index = self._index(block_ids)
+        nbytes = n * self.bytes_per_block
+        if self._choosing(nbytes):
+            self._scatter_pick.run(
+                nbytes,
+                partial(self._scatter_team, index, src),
+                partial(self._scatter_queue, index, src),
+            )
+        else:
+            self._scatter_team(index, src)
+
+    # -- strategies ---------------------------------------------------------------
+    def _choosing(self, nbytes: int) -> bool:
+        return self._host and worth_choosing(nbytes)
+
+    def _gather_team(self, index: torch.Tensor, target: torch.Tensor) -> None:
+        """One op per layer; a CUDA pool's only path."""
+        for i, view in enumerate(self._views):
+            rows = self._rows[i]
+            if rows is not None:
+                _select(rows[0], index, self._wide_column(target, i, rows[1]))
+            else:
+                _select_shaped(view, index, self._column(target, i))
+
+    def _scatter_team(self, index: torch.Tensor, src: torch.Tensor) -> None:
+        """One op per layer; a CUDA pool's only path."""
         for i, view in enumerate(self._views):
             rows = self._rows[i]
             if rows is not None:
@@ -180,15 +431,73 @@ class BlockPool:
             else:
                 view.index_copy_(0, index, self._column(src, i))
 
+    def _gather_queue(
+        self, block_ids: Sequence[int], index: torch.Tensor, target: torch.Tensor
+    ) -> None:
+        """Calls that each copy in the calling thread, run by two threads."""
+        run_queue(self._gather_calls(block_ids, index, target))
+
+    def _gather_calls(
+        self, block_ids: Sequence[int], index: torch.Tensor, target: torch.Tensor
+    ) -> Iterator[list[Callable[[], object]]]:
+        splits: dict[int, tuple[torch.Tensor, ...]] = {}
+        for i, view in enumerate(self._views):
+            rows, np_rows = self._rows[i], self._np_rows[i]
+            if rows is None or np_rows is None:
+                # Block not contiguous in the layer: one shaped copy, torch's own threads.
+                yield [partial(_select_shaped, view, index, self._column(target, i))]
+                continue
+            col = self._wide_column(target, i, rows[1])
+            elems = rows[0].shape[1]
+            per = SERIAL_ELEMS // elems if elems < SERIAL_ELEMS else 0  # rows per inline call
+            if per:
+                if per not in splits:
+                    splits[per] = torch.split(index, per)
+                yield [
+                    partial(_select, rows[0], ix, o)
+                    for ix, o in zip(splits[per], torch.split(col, per), strict=True)
+                ]
+            else:  # a row too long for one inline call: numpy, one row at a time
+                np_col = _numpy(col)
+                per = max(1, _TASK_BYTES // self.layer_bytes[i])
+                yield [
+                    partial(_copy_rows, np_rows, np_col, block_ids[s : s + per], s)
+                    for s in range(0, len(block_ids), per)
+                ]
+
+    def _scatter_queue(self, index: torch.Tensor, src: torch.Tensor) -> None:
+        """Numpy fancy assignments of about :data:`_TASK_BYTES`, run by two threads."""
+        run_queue(self._scatter_calls(index, src))
+
+    def _scatter_calls(
+        self, index: torch.Tensor, src: torch.Tensor
+    ) -> Iterator[list[Callable[[], object]]]:
+        ids = index.numpy()
+        for i, view in enumerate(self._views):
+            rows, np_rows = self._rows[i], self._np_rows[i]
+            if rows is None or np_rows is None:
+                yield [partial(view.index_copy_, 0, index, self._column(src, i))]
+                continue
+            col = _numpy(self._wide_column(src, i, rows[1]))
+            per = max(1, _TASK_BYTES // self.layer_bytes[i])
+            yield [
+                partial(_assign, np_rows, ids[s : s + per], col[s : s + per])
+                for s in range(0, len(ids), per)
+            ]
+
     # -- helpers ------------------------------------------------------------------
     def _row_view(
-        self, view: torch.Tensor, offset: int, nbytes: int
+        self,
+        view: torch.Tensor,
+        offset: int,
+        nbytes: int,
+        widths: Sequence[tuple[int, torch.dtype]],
     ) -> tuple[torch.Tensor, torch.dtype] | None:
         try:
             rows = view.view(view.shape[0], -1).view(torch.uint8)
         except RuntimeError:
             return None  # block not contiguous within the layer (e.g. K and V apart)
-        for width, dtype in ((8, torch.int64), (4, torch.int32), (2, torch.int16)):
+        for width, dtype in widths:
             aligned = rows.data_ptr() % width == 0 and rows.stride(0) % width == 0
             sizes = (nbytes, offset, self.bytes_per_block)
             if aligned and all(size % width == 0 for size in sizes):
@@ -202,7 +511,9 @@ class BlockPool:
     def _aligned(self, buf: torch.Tensor) -> bool:
         """Whether ``buf``'s columns can be viewed with the pool's column dtypes."""
         rows_ok = buf.shape[0] <= 1 or buf.stride(0) % self._align == 0
-        return buf.data_ptr() % self._align == 0 and rows_ok
+        # ``Tensor.view(dtype)`` checks the offset into the storage, not the address.
+        offset_ok = buf.storage_offset() % self._align == 0
+        return buf.data_ptr() % self._align == 0 and rows_ok and offset_ok
 
     def _column(self, buf: torch.Tensor, layer: int) -> torch.Tensor:
         """Layer ``layer``'s bytes of every row of ``buf``, as ``[n, *layer_shape]``."""

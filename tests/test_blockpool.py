@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+
 import pytest
 import torch
+from kvoffload.backends.cpu import CPUBackend
 
-from kvoffload.blockpool import BlockPool
+from kvoffload import blockpool
+from kvoffload.blockpool import BlockPool, Chooser, run_queue
+from kvoffload.config import CPUTierConfig
 from kvoffload.exceptions import LayoutMismatchError
+from kvoffload.keys import BlockKey
 from kvoffload.layout import KVLayout
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -147,3 +154,209 @@ def test_empty_batches() -> None:
     pool = BlockPool.allocate(KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, block_size=2), 2)
     assert pool.gather([]).shape == (0, pool.bytes_per_block)
     pool.scatter([], torch.empty((0, pool.bytes_per_block), dtype=torch.uint8))
+
+
+# -- host strategies, checked block by block against get_kv_from_block ----------------
+
+
+class _DevicePathPool(BlockPool):
+    """Runs, on CPU tensors, the per-layer int64 ops a CUDA pool runs."""
+
+    _host_paths = False
+
+
+STRATEGIES = ["team", "queue", "queue-rows", "device"]
+"""``team``: one torch op per layer over 16-byte rows. ``queue``: inline ``index_select``
+calls of a few rows (gather) / numpy assignments (scatter) on two threads. ``queue-rows``:
+the queue's numpy row copies, which it uses for rows too long for one inline call.
+``device``: a CUDA pool's code."""
+
+GATHER_IDS = {
+    "runs-and-scattered": [3, 4, 5, 6, 11, 0, 1, 9, 14, 15, 7],
+    "one-block": [7],
+    "single-block-runs": [2, 9, 4, 12],
+    "reversed": list(range(15, -1, -1)),
+    "all-in-order": list(range(16)),
+    "repeats": [5, 5, 2, 5, 0, 0, 15],
+}
+SCATTER_IDS = {k: v for k, v in GATHER_IDS.items() if len(set(v)) == len(v)}
+
+
+def _strategy_pool(
+    strategy: str, caches: list[torch.Tensor], block_dim: int, monkeypatch: pytest.MonkeyPatch
+) -> BlockPool:
+    if strategy == "device":
+        return _DevicePathPool(caches, block_dim=block_dim)
+    # Every batch picks, and always the strategy under test.
+    monkeypatch.setattr(BlockPool, "_choosing", lambda self, nbytes: True)
+    monkeypatch.setattr(Chooser, "pick", lambda self: 0 if strategy == "team" else 1)
+    if strategy == "queue":
+        monkeypatch.setattr(blockpool, "SERIAL_ELEMS", 40)  # 1-2 rows per call here
+    elif strategy == "queue-rows":
+        monkeypatch.setattr(blockpool, "SERIAL_ELEMS", 1)  # every row "too long"
+        monkeypatch.setattr(blockpool, "_TASK_BYTES", 1)  # one row per numpy task
+    return BlockPool(caches, block_dim=block_dim)
+
+
+def _fill_bytes(caches: list[torch.Tensor], seed: int) -> None:
+    """Random bytes, NaN payloads and all, so a copy that went through floating point
+    registers or converted anything would show."""
+    for i, t in enumerate(caches):
+        gen = torch.Generator().manual_seed(seed + i)
+        raw = t.view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
+
+
+def _packed(pool: BlockPool, block_id: int) -> torch.Tensor:
+    """The reference packed form: the block's per-layer copies, bytes concatenated."""
+    kv = pool.get_kv_from_block(block_id)
+    return torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in kv])
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("ids", list(GATHER_IDS.values()), ids=list(GATHER_IDS))
+@pytest.mark.parametrize("kind", ["canonical", "flash", "lbhnc"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gather_matches_block_by_block(
+    kind: str, dtype: torch.dtype, ids: list[int], strategy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    caches, block_dim = _pools(dtype, num_blocks=16)[kind]
+    _fill_bytes(caches, seed=1)
+    pool = _strategy_pool(strategy, caches, block_dim, monkeypatch)
+    # Into a fresh buffer and into rows 3.. of a bigger staging buffer (not at its start).
+    whole = pool.new_staging(len(ids) + 3)
+    for out in (pool.gather(ids), pool.gather(ids, whole[3:])):
+        for row, block in zip(out, ids, strict=True):
+            assert torch.equal(row, _packed(pool, block))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("ids", list(SCATTER_IDS.values()), ids=list(SCATTER_IDS))
+@pytest.mark.parametrize("kind", ["canonical", "flash", "lbhnc"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_scatter_matches_block_by_block(
+    kind: str, dtype: torch.dtype, ids: list[int], strategy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    caches, block_dim = _pools(dtype, num_blocks=16)[kind]
+    _fill_bytes(caches, seed=2)
+    pool = _strategy_pool(strategy, caches, block_dim, monkeypatch)
+    before = {b: _packed(pool, b) for b in range(16)}
+    src = pool.new_staging(len(ids))
+    gen = torch.Generator().manual_seed(3)
+    src.copy_(torch.randint(0, 256, tuple(src.shape), dtype=torch.uint8, generator=gen))
+    pool.scatter(ids, src)
+    for row, block in zip(src, ids, strict=True):
+        assert torch.equal(_packed(pool, block), row)
+    for block in set(range(16)) - set(ids):
+        assert torch.equal(_packed(pool, block), before[block])
+
+
+@pytest.mark.parametrize("strategy", ["team", "queue", "device"])
+def test_misaligned_buffers_under_each_strategy(
+    strategy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    caches, _ = _pools(torch.bfloat16, num_blocks=16)["canonical"]
+    _fill_bytes(caches, seed=4)
+    pool = _strategy_pool(strategy, caches, 0, monkeypatch)
+    ids = [9, 3, 4, 5, 0]
+    raw = torch.zeros(len(ids) * pool.bytes_per_block + 8, dtype=torch.uint8)
+    out = raw[8:].view(len(ids), pool.bytes_per_block)  # 8-byte aligned, not 16
+    pool.gather(ids, out)
+    for row, block in zip(out, ids, strict=True):
+        assert torch.equal(row, _packed(pool, block))
+    # The way back, from a misaligned buffer too, with new bytes and in reverse.
+    raw2 = torch.zeros_like(raw)
+    src = raw2[8:].view(len(ids), pool.bytes_per_block)
+    src.copy_(out.flip(0) ^ 0x5A)
+    pool.scatter(ids[::-1], src)
+    for row, block in zip(src, ids[::-1], strict=True):
+        assert torch.equal(_packed(pool, block), row)
+
+
+def test_large_batches_choose_by_speed_and_stay_exact() -> None:
+    """Without any patching: batches over QUEUE_MIN_BYTES run both strategies in turn
+    (the chooser times each), with the same bytes every time."""
+    layout = KVLayout(num_layers=3, num_kv_heads=4, head_dim=64, block_size=16)  # 96 KiB
+    n = blockpool.QUEUE_MIN_BYTES // layout.bytes_per_block + 2
+    pool = BlockPool.allocate(layout, 2 * n)
+    _fill_bytes([v for v in pool._views], seed=5)
+    ids = torch.randperm(2 * n, generator=torch.Generator().manual_seed(0))[:n].tolist()
+    first = pool.gather(ids).clone()
+    for _ in range(3):
+        assert torch.equal(pool.gather(ids), first)
+    other = BlockPool.allocate(layout, 2 * n)
+    for _ in range(3):
+        other.scatter(ids, first)
+        assert torch.equal(other.gather(ids), first)
+    if torch.get_num_threads() > 1:
+        assert all(pool._gather_pick.rates)
+        assert all(other._scatter_pick.rates)
+
+
+def test_chooser_keeps_the_faster_and_backs_off() -> None:
+    c = Chooser()
+    speed = {0: 1.0, 1: 5.0}  # team slow at first (a first batch pays page faults)
+
+    def batch() -> int:
+        choice = c.pick()
+        c.record(choice, speed[choice])
+        return choice
+
+    assert [batch(), batch()] == [0, 1]  # each timed once
+    speed[0] = 10.0  # the team is faster in fact
+    # The queue (best so far) runs once more; then the team is timed again, wins, and
+    # the queue is re-timed after 2 batches, then 4, 8, ... while it keeps losing.
+    picks = [batch() for _ in range(19)]
+    assert picks == [1, 0, 0, 0, 1] + [0] * 4 + [1] + [0] * 8 + [1]
+    # Load arrives: the team slows down. Its best of the last 3 timings drops below the
+    # queue's after 3 slow batches, and the queue takes over.
+    speed[0] = 2.0
+    assert [batch() for _ in range(4)] == [0, 0, 0, 1]
+    assert c.best == 1
+
+
+def test_run_queue_runs_each_call_once_and_reraises() -> None:
+    lock = threading.Lock()
+    done: list[int] = []
+
+    def call(i: int) -> Callable[[], None]:
+        def run() -> None:
+            with lock:
+                done.append(i)
+
+        return run
+
+    run_queue([[call(i) for i in range(50)], [call(i) for i in range(50, 120)]])
+    assert sorted(done) == list(range(120))
+
+    def boom() -> None:
+        raise ValueError("copy failed")
+
+    with pytest.raises(ValueError, match="copy failed"):
+        run_queue([[call(0), boom, *(call(i) for i in range(10))]])
+    run_queue([[]])  # nothing to do
+
+
+def test_cpu_tier_queue_read_write_bit_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cpu tier picks between the same two strategies (16-byte index ops, or numpy
+    calls on two threads); both must move exact bytes, in any slot order."""
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4)
+    tier = CPUBackend(CPUTierConfig(name="c", capacity=12 * layout.bytes_per_block), layout)
+    slots = tier.allocate(12)
+    assert slots is not None
+    order = [slots[i] for i in (7, 0, 11, 3, 4, 5, 10, 1)]
+    keys = [BlockKey(i.to_bytes(16, "little")) for i in range(len(order))]
+    data = torch.randint(0, 256, (len(order), layout.bytes_per_block), dtype=torch.uint8)
+    monkeypatch.setattr("kvoffload.backends.cpu.worth_choosing", lambda nbytes: True)
+    monkeypatch.setattr("kvoffload.backends.cpu.CPUBackend._rows_per_call", lambda self: 3)
+    for write_with, read_with in ((0, 1), (1, 0), (1, 1)):
+        monkeypatch.setattr(tier._write_pick, "pick", lambda w=write_with: w)
+        monkeypatch.setattr(tier._read_pick, "pick", lambda r=read_with: r)
+        tier.write(order, keys, data)
+        back = torch.zeros_like(data)
+        assert tier.read(order[::-1], keys[::-1], back) == [True] * len(order)
+        assert torch.equal(back, data.flip(0))
+        data = data ^ 0x3C
+    with pytest.raises(IndexError):
+        tier.read([tier.num_slots], keys[:1], back[:1])
+    tier.close()
