@@ -198,7 +198,7 @@ def _stress(args: argparse.Namespace) -> int:
         raise _usage(f"--ops and --duration must be positive, got {ops} and {duration}")
     console = Console()
     if not console.is_terminal:
-        console = Console(width=150)  # logs and CI: do not squeeze the table to 80 columns
+        console = Console(width=200)  # logs and CI: do not squeeze the table to 80 columns
     runner = StressRunner(config, seed=args.seed)
     try:
         console.print(
