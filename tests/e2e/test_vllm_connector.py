@@ -23,6 +23,9 @@ pytest.importorskip("vllm")
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 from engine_run import write_tiny_llama  # noqa: E402
+from kvoffload.backends.mmap import MmapBackend  # noqa: E402
+
+from kvoffload.record import HEADER_BYTES  # noqa: E402
 
 PROMPT_TOKENS = 300  # 9 full blocks of 32, plus a partial one
 
@@ -32,9 +35,11 @@ def _prompt(seed: int, n: int = PROMPT_TOKENS) -> list[int]:
     return [rng.randrange(1, 1000) for _ in range(n)]
 
 
-def _engine(tmp: Path, kvoffload: dict[str, Any] | None, rounds: list[list[list[int]]]) -> Any:
-    """Run one engine over ``rounds`` of prompts; return its JSON result, or the failed
-    process when it does not print one."""
+def _run_engine(
+    tmp: Path, kvoffload: dict[str, Any] | None, rounds: list[list[list[int]]]
+) -> tuple[Any, subprocess.CompletedProcess[str]]:
+    """Run one engine over ``rounds`` of prompts: its JSON result (``None`` when it
+    printed none) and the finished process."""
     model = write_tiny_llama(tmp / "model")
     spec = tmp / f"spec-{len(list(tmp.glob('spec-*')))}.json"
     spec.write_text(
@@ -59,8 +64,14 @@ def _engine(tmp: Path, kvoffload: dict[str, Any] | None, rounds: list[list[list[
     )
     for line in proc.stdout.splitlines():
         if line.startswith("E2E-RESULT "):
-            return json.loads(line.removeprefix("E2E-RESULT "))
-    return proc
+            return json.loads(line.removeprefix("E2E-RESULT ")), proc
+    return None, proc
+
+
+def _engine(tmp: Path, kvoffload: dict[str, Any] | None, rounds: list[list[list[int]]]) -> Any:
+    """The JSON result of one engine run, or the failed process when there is none."""
+    result, proc = _run_engine(tmp, kvoffload, rounds)
+    return result if result is not None else proc
 
 
 def _cpu(capacity: str = "64MiB") -> dict[str, Any]:
@@ -118,3 +129,31 @@ def test_bad_yaml_fails_engine_start_naming_the_field(tmp_path: Path) -> None:
     assert not isinstance(result, dict)
     assert result.returncode != 0
     assert "tiers[0].capacity = '-1GiB'" in result.stderr + result.stdout
+
+
+def test_corrupt_disk_block_is_recomputed_not_served(tmp_path: Path, reference: Any) -> None:
+    """Between two engine runs, one payload byte of a stored block is flipped on disk.
+    The second run's output still equals the reference (the block and those after it
+    are recomputed), the engine does not crash, and the bad block is counted."""
+    tiers = [
+        {"name": "cpu", "backend": "cpu", "capacity": "64MiB"},
+        {"name": "ssd", "backend": "mmap", "capacity": "128MiB", "path": str(tmp_path / "t")},
+    ]
+    first = _engine(tmp_path, {"config": {"tiers": tiers}}, [[_prompt(1)]])
+    assert isinstance(first, dict), first.stderr[-3000:]
+    slab = tmp_path / "t" / "slab-000.kvo"
+    meta = MmapBackend.read_superblock(slab)
+    assert meta is not None
+    align = 4096
+    table = (meta["num_slots"] * HEADER_BYTES + align - 1) // align * align
+    with open(slab, "r+b") as f:  # slot 3: the 4th of the prompt's 9 blocks
+        f.seek(align + table + 3 * meta["stride"] + 1000)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    second, proc = _run_engine(tmp_path, {"config": {"tiers": tiers}}, [[_prompt(1)]])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert second is not None
+    assert _tokens(second, 0)[0] == _tokens(reference, 0)[0]
+    assert "1 of " in proc.stderr
+    assert "failed verification" in proc.stderr
