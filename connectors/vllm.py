@@ -126,6 +126,18 @@ def layout_from_vllm(vllm_config: VllmConfig) -> KVLayout:
 
 
 # ---------------------------------------------------------------------- shared state
+COUNTERS: Final = (
+    "lookups",
+    "blocks_planned",
+    "blocks_loaded",
+    "blocks_loaded_after_preemption",
+    "load_errors",
+    "blocks_submitted_for_store",
+)
+"""Per-engine connector counters (:func:`connector_counters`); the tiers' own counters
+(hits per tier, dropped stores, corrupt blocks) are in ``Offloader.stats``."""
+
+
 @dataclass
 class _Shared:
     """What the two roles of one engine share in its process."""
@@ -133,6 +145,21 @@ class _Shared:
     offloader: Offloader
     plans: dict[int, LoadPlan] = field(default_factory=dict)
     next_plan: int = 0
+    counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
+
+
+def connector_counters() -> dict[str, dict[str, int]]:
+    """This process's connector counters per engine id, plus each tier's hits,
+    stored blocks, dropped stores and corrupt blocks (``tier.<name>.<counter>``)."""
+    out: dict[str, dict[str, int]] = {}
+    with _REGISTRY_LOCK:
+        for engine_id, shared in _REGISTRY.items():
+            counts = dict(shared.counters)
+            for t in shared.offloader.stats:
+                for name in ("hits", "blocks_stored", "dropped_stores", "corrupt_blocks"):
+                    counts[f"tier.{t.name}.{name}"] = getattr(t, name)
+            out[engine_id] = counts
+    return out
 
 
 _REGISTRY: dict[str, _Shared] = {}
@@ -145,6 +172,8 @@ class _Load:
     plan_id: int
     block_ids: list[int]
     """GPU blocks to load into, one per planned key."""
+    resumed: bool = False
+    """The request was preempted earlier: this load brings its work back."""
 
 
 @dataclass
@@ -196,6 +225,7 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
         # scheduler side
         self._reqs: dict[str, _ReqState] = {}
         self._pending_loads: list[_Load] = []
+        self._preempted: set[str] = set()
         # worker side
         self._store_jobs: dict[int, str] = {}
         self._stores_left: dict[str, int] = {}
@@ -233,7 +263,9 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
         state.local_tokens = num_computed_tokens
         if loadable <= start:
             return 0, False
-        hit = self._shared().offloader.lookup(self._keys(request, loadable))
+        shared = self._shared()
+        shared.counters["lookups"] += 1
+        hit = shared.offloader.lookup(self._keys(request, loadable))
         if hit <= start:
             return 0, False
         return hit * self.block_size - num_computed_tokens, False
@@ -256,13 +288,16 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
             plan_id = shared.next_plan
             shared.next_plan += 1
             shared.plans[plan_id] = plan
-        self._pending_loads.append(_Load(request.request_id, plan_id, targets))
+        resumed = request.request_id in self._preempted
+        self._pending_loads.append(_Load(request.request_id, plan_id, targets, resumed))
+        shared.counters["blocks_planned"] += plan.hits
         # Blocks being loaded are held by us already: no need to store them back.
         state.stored_blocks = max(state.stored_blocks, start + n)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = TieredOffloadMetadata(loads=self._pending_loads)
         self._pending_loads = []
+        self._preempted.update(scheduler_output.preempted_req_ids or ())
         for new in scheduler_output.scheduled_new_reqs:
             state = self._reqs.get(new.req_id)
             if state is not None:
@@ -296,6 +331,7 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         state = self._reqs.pop(request.request_id, None)
+        self._preempted.discard(request.request_id)
         # Hold the blocks while stores from them may still be running; the worker
         # reports the id once they are done.
         return (state is not None and state.had_store), None
@@ -332,10 +368,14 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
             # Planned blocks lost between lookup and planning are load errors too.
             self._load_errors.update(load.block_ids[plan.hits :])
             jobs[job] = load
+        counters = shared.counters
         for result in off.wait(list(jobs)):
             load = jobs[result.job_id]
             loaded = result.nbytes // off.bpb if result.success else 0
             self._load_errors.update(load.block_ids[loaded:])
+            counters["blocks_loaded"] += loaded
+            if load.resumed:
+                counters["blocks_loaded_after_preemption"] += loaded
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -348,8 +388,10 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, TieredOffloadMetadata)
-        off = self._shared().offloader
+        shared = self._shared()
+        off = shared.offloader
         for store in meta.stores:
+            shared.counters["blocks_submitted_for_store"] += len(store.keys)
             self._ever_stored.add(store.req_id)
             job = off.submit_store(store.keys, store.block_ids)
             if job is not None:
@@ -381,6 +423,9 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
+        shared = _REGISTRY.get(self.engine_id)
+        if shared is not None:
+            shared.counters["load_errors"] += len(errors)
         return errors
 
     def shutdown(self) -> None:

@@ -78,7 +78,13 @@ def main(spec_path: str) -> None:
             ]
         )
         llm.reset_prefix_cache()
-    print("E2E-RESULT " + json.dumps({"rounds": rounds}), flush=True)
+    counters: dict[str, Any] = {}
+    if spec.get("kvoffload") is not None:
+        # Single-process mode: the connector's worker side lives in this process.
+        from kvoffload.connectors.vllm import connector_counters
+
+        counters = next(iter(connector_counters().values()), {})
+    print("E2E-RESULT " + json.dumps({"rounds": rounds, "kvoffload": counters}), flush=True)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,11 @@ def _prompt(seed: int, n: int = PROMPT_TOKENS) -> list[int]:
 
 
 def _run_engine(
-    tmp: Path, kvoffload: dict[str, Any] | None, rounds: list[list[list[int]]]
+    tmp: Path,
+    kvoffload: dict[str, Any] | None,
+    rounds: list[list[list[int]]],
+    max_tokens: int = 8,
+    **engine: Any,
 ) -> tuple[Any, subprocess.CompletedProcess[str]]:
     """Run one engine over ``rounds`` of prompts: its JSON result (``None`` when it
     printed none) and the finished process."""
@@ -48,8 +52,8 @@ def _run_engine(
                 "model": str(model),
                 "kvoffload": kvoffload,
                 "rounds": rounds,
-                "max_tokens": 8,
-                "engine": {"gpu_memory_utilization": 0.2},
+                "max_tokens": max_tokens,
+                "engine": {"gpu_memory_utilization": 0.2, **engine},
             }
         )
     )
@@ -157,3 +161,27 @@ def test_corrupt_disk_block_is_recomputed_not_served(tmp_path: Path, reference: 
     assert _tokens(second, 0)[0] == _tokens(reference, 0)[0]
     assert "1 of " in proc.stderr
     assert "failed verification" in proc.stderr
+
+
+def test_preempted_requests_come_back_from_the_tiers(tmp_path: Path) -> None:
+    """A 24-block KV pool for 4 concurrent requests of 10 prompt blocks and 64 new
+    tokens each: vLLM must preempt. With vLLM's own prefix cache off, a resumed request
+    can only recompute or load: outputs equal those of an engine with room to spare,
+    and resumed requests load their blocks back from our tiers."""
+    prompts = [_prompt(10 + i) for i in range(4)]
+    ref, proc = _run_engine(tmp_path / "ref", None, [prompts], max_tokens=64)
+    assert ref is not None, proc.stderr[-3000:]
+    got, proc = _run_engine(
+        tmp_path / "small",
+        _cpu(),
+        [prompts],
+        max_tokens=64,
+        num_gpu_blocks_override=24,
+        max_model_len=512,
+        enable_prefix_caching=False,  # so a resumed request's blocks can only come from us
+    )
+    assert got is not None, proc.stderr[-3000:]
+    assert _tokens(got, 0) == _tokens(ref, 0)
+    counters = got["kvoffload"]
+    assert counters["blocks_loaded_after_preemption"] > 0, json.dumps(counters)
+    assert counters["load_errors"] == 0
