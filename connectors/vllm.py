@@ -44,6 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvoffload.blockpool import BlockPool
 from kvoffload.config import KVOffloadConfig, load_config
@@ -123,6 +124,40 @@ def layout_from_vllm(vllm_config: VllmConfig) -> KVLayout:
         dtype=str(dtype).removeprefix("torch."),
         namespace=f"vllm:{model.model}:tp{parallel.rank}",
     )
+
+
+# --------------------------------------------------------------------------- stats
+TIER_STATS: Final = (
+    "hits",
+    "blocks_stored",
+    "bytes_written",
+    "bytes_read",
+    "dropped_stores",
+    "corrupt_blocks",
+)
+
+
+@dataclass
+class TieredOffloadStats(KVConnectorStats):  # type: ignore[misc]  # vLLM: Any
+    """vLLM's connector stats: counts since the previous report, summed over workers.
+
+    ``data`` maps ``<counter>`` (see :data:`COUNTERS`) and ``tier.<name>.<counter>``
+    (see :data:`TIER_STATS`) to ints; every value is a sum, so aggregating workers and
+    intervals is addition, and the reduction is the data itself."""
+
+    def reset(self) -> None:
+        self.data = dict[str, Any]()
+
+    def aggregate(self, other: KVConnectorStats) -> TieredOffloadStats:
+        for key, value in other.data.items():
+            self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
 
 
 # ---------------------------------------------------------------------- shared state
@@ -232,6 +267,7 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
         self._finished_waiting: set[str] = set()
         self._load_errors: set[int] = set()
         self._ever_stored: set[str] = set()
+        self._reported: dict[str, int] = {}
 
     # ------------------------------------------------------------------ helpers
     def _shared(self) -> _Shared:
@@ -420,6 +456,26 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
                 self._stores_left[req_id] -= 1
                 if self._stores_left[req_id] == 0:
                     del self._stores_left[req_id]
+
+    def get_kv_connector_stats(self) -> TieredOffloadStats | None:
+        """Counts since the previous call (worker side)."""
+        shared = _REGISTRY.get(self.engine_id)
+        if shared is None:
+            return None
+        now: dict[str, int] = dict(shared.counters)
+        for t in shared.offloader.stats:
+            for name in TIER_STATS:
+                now[f"tier.{t.name}.{name}"] = getattr(t, name)
+        delta = {k: v - self._reported.get(k, 0) for k, v in now.items()}
+        self._reported = now
+        stats = TieredOffloadStats(data={k: v for k, v in delta.items() if v})
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> TieredOffloadStats | None:
+        return TieredOffloadStats(data=dict(data or {}))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
