@@ -9,13 +9,13 @@ with kvoffload's one-line ``ConfigError``.
 vLLM builds this class twice: with ``role=WORKER`` next to the KV tensors, and with
 ``role=SCHEDULER`` beside the scheduler. The worker side owns the :class:`Offloader`
 (tiers, lanes, books); the scheduler side asks it what is held and tells the worker,
-through the step's metadata, which blocks to load and store. This first version
-requires both sides in one process: the scheduler side finds the worker's Offloader
-in a process-local registry keyed by the engine id. vLLM's CPU platform runs its
-worker in a separate process unless ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
-(``vllm/platforms/cpu.py`` turns the ``uni`` executor into ``mp``); without it the
-first lookup fails with a one-line error saying so. The split across processes (books
-on the scheduler side, bytes on the worker side) is the next step.
+through the step's metadata, which blocks to load and store. When both sides share a
+process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) the scheduler side calls the worker's
+Offloader directly, through a process-local registry keyed by the engine id. In vLLM's
+default mode the worker runs in its own process (on the CPU build always: its platform
+turns the ``uni`` executor into ``mp``), and the scheduler side asks it over a Unix
+socket (:class:`_BooksServer`): two questions, ``lookup`` and ``plan``, microseconds
+each. One worker per engine (TP 1) for now.
 
 - **Keys** are vLLM's own ``request.block_hashes`` (chained, seeded: never rehashed),
   namespaced by the layout fingerprint and the TP rank, so another model's or rank's
@@ -32,10 +32,15 @@ on the scheduler side, bytes on the worker side) is the next step.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import tempfile
 import threading
+import time
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
+from multiprocessing.connection import Client, Listener
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 import torch
@@ -181,6 +186,105 @@ class _Shared:
     plans: dict[int, LoadPlan] = field(default_factory=dict)
     next_plan: int = 0
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
+    server: _BooksServer | None = None
+
+    # The scheduler side's two questions, answered here (in this process, or for a
+    # scheduler in another process through _BooksServer).
+    def lookup(self, keys: list[BlockKey]) -> int:
+        self.counters["lookups"] += 1
+        return self.offloader.lookup(keys)
+
+    def plan(self, keys: list[BlockKey]) -> tuple[int, int]:
+        """Plan (and pin) a load; its id for the step's metadata, and its length."""
+        plan = self.offloader.prepare_load(keys)
+        with _REGISTRY_LOCK:
+            plan_id = self.next_plan
+            self.next_plan += 1
+            self.plans[plan_id] = plan
+        self.counters["blocks_planned"] += plan.hits
+        return plan_id, plan.hits
+
+
+def _address(engine_id: str) -> str:
+    return str(Path(tempfile.gettempdir()) / f"kvoffload-{engine_id}.sock")
+
+
+def _authkey(engine_id: str) -> bytes:
+    return hashlib.blake2b(engine_id.encode(), digest_size=16, person=b"kvoffload").digest()
+
+
+class _BooksServer:
+    """Answers a scheduler in another process (vLLM's default on its CPU build runs the
+    worker in its own process): one Unix socket per engine, one thread, requests
+    ``("lookup", keys)`` and ``("plan", keys)`` answered in order. Microseconds per
+    call against a step of milliseconds, and the books stay where the bytes are."""
+
+    def __init__(self, shared: _Shared, engine_id: str) -> None:
+        self.address = _address(engine_id)
+        Path(self.address).unlink(missing_ok=True)
+        self.listener = Listener(self.address, family="AF_UNIX", authkey=_authkey(engine_id))
+        self.shared = shared
+        self.thread = threading.Thread(target=self._serve, name="kvoffload-books", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn = self.listener.accept()
+            except OSError:
+                return  # closed
+            with conn:
+                while True:
+                    try:
+                        op, keys = conn.recv()
+                    except (EOFError, OSError):
+                        break
+                    try:
+                        answer: object = (
+                            self.shared.lookup(keys) if op == "lookup" else self.shared.plan(keys)
+                        )
+                    except Exception as exc:  # the scheduler re-raises it
+                        answer = exc
+                    conn.send(answer)
+
+    def close(self) -> None:
+        self.listener.close()
+        Path(self.address).unlink(missing_ok=True)
+
+
+class _RemoteBooks:
+    """The scheduler side's handle on a worker's books in another process."""
+
+    def __init__(self, engine_id: str) -> None:
+        address = _address(engine_id)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                self.conn = Client(address, family="AF_UNIX", authkey=_authkey(engine_id))
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"TieredOffloadConnector: no worker-side books at {address} after "
+                        "60 s; is the worker running with this connector (one worker)?"
+                    ) from None
+                time.sleep(0.05)
+        self.lock = threading.Lock()
+
+    def _ask(self, op: str, keys: list[BlockKey]) -> Any:
+        with self.lock:
+            self.conn.send((op, keys))
+            answer = self.conn.recv()
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def lookup(self, keys: list[BlockKey]) -> int:
+        return int(self._ask("lookup", keys))
+
+    def plan(self, keys: list[BlockKey]) -> tuple[int, int]:
+        plan_id, hits = self._ask("plan", keys)
+        return int(plan_id), int(hits)
 
 
 def connector_counters() -> dict[str, dict[str, int]]:
@@ -261,6 +365,7 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
         self._reqs: dict[str, _ReqState] = {}
         self._pending_loads: list[_Load] = []
         self._preempted: set[str] = set()
+        self._remote: _RemoteBooks | None = None
         # worker side
         self._store_jobs: dict[int, str] = {}
         self._stores_left: dict[str, int] = {}
@@ -271,15 +376,24 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
 
     # ------------------------------------------------------------------ helpers
     def _shared(self) -> _Shared:
+        """The worker side's state (worker side only)."""
         with _REGISTRY_LOCK:
             shared = _REGISTRY.get(self.engine_id)
         if shared is None:
-            raise RuntimeError(
-                "TieredOffloadConnector: the scheduler side found no worker-side Offloader "
-                "in this process; this version needs vLLM's single-process mode: set "
-                "VLLM_ENABLE_V1_MULTIPROCESSING=0 (and one worker)"
-            )
+            raise RuntimeError("TieredOffloadConnector: no Offloader: register_kv_caches first")
         return shared
+
+    def _books(self) -> _Shared | _RemoteBooks:
+        """Where the scheduler side asks: the worker's state when it is in this
+        process, else a connection to it."""
+        if self._remote is not None:
+            return self._remote
+        with _REGISTRY_LOCK:
+            shared = _REGISTRY.get(self.engine_id)
+        if shared is not None:
+            return shared
+        self._remote = _RemoteBooks(self.engine_id)
+        return self._remote
 
     def _keys(self, request: Request, n: int) -> list[BlockKey]:
         return [
@@ -299,9 +413,7 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
         state.local_tokens = num_computed_tokens
         if loadable <= start:
             return 0, False
-        shared = self._shared()
-        shared.counters["lookups"] += 1
-        hit = shared.offloader.lookup(self._keys(request, loadable))
+        hit = self._books().lookup(self._keys(request, loadable))
         if hit <= start:
             return 0, False
         return hit * self.block_size - num_computed_tokens, False
@@ -318,15 +430,9 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
         # ``blocks`` covers the local hit and the new blocks, from block 0.
         targets = block_ids[start : start + n]
         keys = self._keys(request, start + n)[start:]
-        shared = self._shared()
-        plan = shared.offloader.prepare_load(keys)
-        with _REGISTRY_LOCK:
-            plan_id = shared.next_plan
-            shared.next_plan += 1
-            shared.plans[plan_id] = plan
+        plan_id, _ = self._books().plan(keys)
         resumed = request.request_id in self._preempted
         self._pending_loads.append(_Load(request.request_id, plan_id, targets, resumed))
-        shared.counters["blocks_planned"] += plan.hits
         # Blocks being loaded are held by us already: no need to store them back.
         state.stored_blocks = max(state.stored_blocks, start + n)
 
@@ -376,8 +482,10 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         pool = BlockPool(list(kv_caches.values()))
         offloader = Offloader(self.config, self.layout, pool)
+        shared = _Shared(offloader)
+        shared.server = _BooksServer(shared, self.engine_id)
         with _REGISTRY_LOCK:
-            _REGISTRY[self.engine_id] = _Shared(offloader)
+            _REGISTRY[self.engine_id] = shared
         logger.info(
             "kvoffload: %d tier(s) (%s) for %d GPU blocks of %d bytes",
             len(offloader.tiers),
@@ -488,4 +596,6 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
         with _REGISTRY_LOCK:
             shared = _REGISTRY.pop(self.engine_id, None)
         if shared is not None:
+            if shared.server is not None:
+                shared.server.close()
             shared.offloader.close()

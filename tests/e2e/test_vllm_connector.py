@@ -1,9 +1,10 @@
 """End to end on a real vLLM engine (CPU build, dummy-weight tiny Llama, no mocks).
 
 Each engine runs in a subprocess (``engine_run.py``: vLLM spawns processes and needs a
-``__main__`` guard) in vLLM's single-process mode (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
-which this version of the connector requires. Under ``CI=true`` a missing vLLM fails
-these tests (tests/conftest.py turns skips into failures).
+``__main__`` guard), in vLLM's default mode (the worker in its own process) except the
+preemption test, which reads the connector's counters and so runs single-process.
+Under ``CI=true`` a missing vLLM fails these tests (tests/conftest.py turns skips into
+failures).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def _run_engine(
     kvoffload: dict[str, Any] | None,
     rounds: list[list[list[int]]],
     max_tokens: int = 8,
+    single_process: bool = False,
     **engine: Any,
 ) -> tuple[Any, subprocess.CompletedProcess[str]]:
     """Run one engine over ``rounds`` of prompts: its JSON result (``None`` when it
@@ -57,7 +59,10 @@ def _run_engine(
             }
         )
     )
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    # vLLM's default runs the worker in its own process, and the scheduler side then
+    # asks it over a socket; single-process mode lets the test read the counters.
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if single_process else "1"
     proc = subprocess.run(
         [sys.executable, str(HERE / "engine_run.py"), str(spec)],
         capture_output=True,
@@ -176,6 +181,7 @@ def test_preempted_requests_come_back_from_the_tiers(tmp_path: Path) -> None:
         _cpu(),
         [prompts],
         max_tokens=64,
+        single_process=True,
         num_gpu_blocks_override=24,
         max_model_len=512,
         enable_prefix_caching=False,  # so a resumed request's blocks can only come from us
