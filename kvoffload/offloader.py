@@ -732,7 +732,8 @@ class Offloader:
         if keep:
             write.buf = self._buffers.acquire(len(keep))
             torch.index_select(buf, 0, torch.tensor([rows[i] for i in keep]), out=write.buf)
-        dropped = [plan.promote_keys[i] for i in range(len(rows)) if i not in set(keep)]
+        kept = set(keep)
+        dropped = [plan.promote_keys[i] for i in range(len(rows)) if i not in kept]
         plan.promote_keys = []
         with self._lock:
             self.tiers[0].manager.complete_store(dropped, success=False)
