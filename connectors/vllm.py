@@ -28,6 +28,13 @@ each. One worker per engine (TP 1) for now.
 - **Stores** are asynchronous: ``wait_for_save`` submits the blocks that became full
   this step and returns; a finished request's GPU blocks are held
   (``request_finished`` -> True) until its stores are done (``get_finished``).
+- **Stats** reach vLLM as :class:`TieredOffloadStats` (deltas from the worker side),
+  and Prometheus as ``vllm:kvoffload_*`` counters (:class:`TieredOffloadPromMetrics`).
+- **KV events** (with ``kv_events_config.enable_kv_cache_events``): the worker side
+  turns its tiers' store and eviction records into vLLM ``BlockStored`` /
+  ``BlockRemoved`` events and sends them with its step output
+  (``get_kv_connector_kv_cache_events``); the scheduler side collects them in
+  ``update_connector_output`` and hands them to vLLM's publisher in ``take_events``.
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ import logging
 import tempfile
 import threading
 import time
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from multiprocessing.connection import Client, Listener
@@ -44,12 +53,24 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 import torch
+from vllm.distributed.kv_events import (
+    MEDIUM_CPU,
+    MEDIUM_STORAGE,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    KVConnectorKVEvents,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from kvoffload.blockpool import BlockPool
 from kvoffload.config import KVOffloadConfig, load_config
@@ -57,6 +78,7 @@ from kvoffload.exceptions import ConfigError
 from kvoffload.keys import BlockKey, key_from_hash, namespaced
 from kvoffload.layout import KVLayout
 from kvoffload.offloader import LoadPlan, Offloader
+from kvoffload.tier import Tier
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -64,6 +86,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
@@ -132,14 +155,21 @@ def layout_from_vllm(vllm_config: VllmConfig) -> KVLayout:
 
 
 # --------------------------------------------------------------------------- stats
-TIER_STATS: Final = (
-    "hits",
-    "blocks_stored",
-    "bytes_written",
-    "bytes_read",
-    "dropped_stores",
-    "corrupt_blocks",
-)
+TIER_STATS: Final[dict[str, str]] = {
+    "hits": "Blocks loaded from this tier (the fastest tier holding each).",
+    "blocks_stored": "Blocks written into this tier: engine stores, copies down the chain "
+    "and promotions.",
+    "bytes_written": "Bytes of the blocks written into this tier.",
+    "bytes_read": "Bytes read from this tier: loads, and blocks read to be copied into the "
+    "next tier.",
+    "dropped_stores": "Blocks not stored because this tier's store queue was full or too slow.",
+    "corrupt_blocks": "Blocks a load found invalid (checksum, key or layout): dropped from the "
+    "tier and recomputed.",
+    "write_seconds": "Seconds spent writing this tier (throttling included).",
+    "read_seconds": "Seconds spent reading this tier.",
+}
+"""Per-tier counters, from the Offloader's ``TierStats`` (name: Prometheus help text).
+The ``*_seconds`` values are floats, the others ints."""
 
 
 @dataclass
@@ -147,8 +177,9 @@ class TieredOffloadStats(KVConnectorStats):  # type: ignore[misc]  # vLLM: Any
     """vLLM's connector stats: counts since the previous report, summed over workers.
 
     ``data`` maps ``<counter>`` (see :data:`COUNTERS`) and ``tier.<name>.<counter>``
-    (see :data:`TIER_STATS`) to ints; every value is a sum, so aggregating workers and
-    intervals is addition, and the reduction is the data itself."""
+    (see :data:`TIER_STATS`) to numbers (ints; the ``*_seconds`` ones floats); every
+    value is a sum, so aggregating workers and intervals is addition, and the reduction
+    is the data itself."""
 
     def reset(self) -> None:
         self.data = dict[str, Any]()
@@ -166,16 +197,155 @@ class TieredOffloadStats(KVConnectorStats):  # type: ignore[misc]  # vLLM: Any
 
 
 # ---------------------------------------------------------------------- shared state
-COUNTERS: Final = (
-    "lookups",
-    "blocks_planned",
-    "blocks_loaded",
-    "blocks_loaded_after_preemption",
-    "load_errors",
-    "blocks_submitted_for_store",
-)
-"""Per-engine connector counters (:func:`connector_counters`); the tiers' own counters
-(hits per tier, dropped stores, corrupt blocks) are in ``Offloader.stats``."""
+COUNTERS: Final[dict[str, str]] = {
+    "lookups": "Lookups of a request's blocks in the tiers by the scheduler side.",
+    "blocks_planned": "Blocks planned (pinned) for loading.",
+    "blocks_loaded": "Blocks loaded into the engine's KV cache.",
+    "blocks_loaded_after_preemption": "Blocks loaded for requests resumed after preemption.",
+    "load_errors": "Engine blocks reported for recompute: failed, corrupt or lost loads.",
+    "blocks_submitted_for_store": "Blocks handed to the tiers for storing.",
+    "tokens_loaded": "Tokens loaded into the engine's KV cache (blocks loaded x block size).",
+    "tokens_stored": "Tokens the engine's stores wrote into the first tier (blocks written "
+    "x block size; blocks the tier already held are not written again).",
+    "kv_events_dropped": "KV cache events not emitted because the worker did not know the "
+    "block's vLLM hash.",
+}
+"""Per-engine connector counters (:func:`connector_counters`; name: Prometheus help
+text); the tiers' own counters are in ``Offloader.stats`` (see :data:`TIER_STATS`).
+``tokens_loaded`` is counted where loads complete (``start_load_kv``), ``tokens_stored``
+where the first tier's store jobs complete (``get_finished``), from the bytes each job
+wrote: promotions into the first tier and copies down the chain are not engine stores
+and are counted only in the tiers' ``blocks_stored``."""
+
+PROM_PREFIX: Final = "vllm:kvoffload_"
+"""Prometheus names: ``vllm:kvoffload_<counter>`` and ``vllm:kvoffload_tier_<counter>``
+(label ``tier``). Counters, so the exposition adds ``_total`` (as for vLLM's own)."""
+
+MAX_EVENT_HASHES: Final = 1 << 20
+"""Most keys whose vLLM block hash the worker side keeps for KV events (about 200 bytes
+each), when the tiers' capacities add up to more blocks."""
+
+
+BlockHash = bytes | int
+"""A vLLM block hash as ``request.block_hashes`` holds it (bytes; ints in older vLLM)."""
+
+
+def _medium(tier: Tier) -> str:
+    """vLLM's event medium for a tier: memory, or storage for a persistent backend."""
+    return str(MEDIUM_STORAGE if tier.backend.persistent else MEDIUM_CPU)
+
+
+class _EventBook:
+    """Worker side: turns the tiers' own store / eviction records into vLLM KV events.
+
+    Every tier's manager records the keys it made ready (``removed=False``) and the keys
+    it evicted or dropped (``removed=True``), whoever caused it: engine stores, copies
+    down the chain, promotions, eviction, corruption. The Offloader records them only
+    when events are enabled (``Offloader(events=True)``), and they are drained here
+    every step. Keys are namespaced digests that cannot be turned
+    back into vLLM's hashes, so the scheduler side sends each store's and load's hashes
+    along (only when events are enabled) and they are remembered here per key: the
+    ``cap`` most recently stored or loaded, ``cap`` being what the tiers hold together,
+    so that a key is normally forgotten only after it has left them. The oldest are
+    forgotten after each step's records are translated, not as new keys arrive: a
+    step's stores evict the oldest blocks, whose removal must still be told. Nor are
+    keys forgotten when no tier holds them: an ``on_evict`` tier's copy of an evicted
+    block is queued only after the eviction is recorded, and would be missed. A record
+    for a key whose hash is unknown (a block recovered from disk at start and not
+    loaded since, or forgotten) emits nothing and is counted."""
+
+    def __init__(self, *, enabled: bool, cap: int) -> None:
+        self.enabled = enabled
+        self.cap = cap
+        self.hashes: OrderedDict[BlockKey, BlockHash] = OrderedDict()
+
+    def remember(self, keys: Sequence[BlockKey], hashes: Sequence[BlockHash]) -> None:
+        for key, block_hash in zip(keys, hashes, strict=True):
+            self.hashes[key] = block_hash
+            self.hashes.move_to_end(key)
+
+    def take(self, off: Offloader) -> tuple[list[KVCacheEvent], int]:
+        """The events since the previous call, and how many records had no known hash."""
+        records = off.take_events()
+        if not self.enabled:
+            return [], 0
+        events: list[KVCacheEvent] = []
+        unknown = 0
+        for tier, ev in records:
+            known = [self.hashes.get(key) for key in ev.keys]
+            hashes = [_external_hash(h) for h in known if h is not None]
+            unknown += len(known) - len(hashes)
+            medium = _medium(tier)
+            if ev.removed:
+                if hashes:
+                    events.append(
+                        BlockRemoved(
+                            block_hashes=hashes, medium=medium, group_idx=0, ownership=tier.name
+                        )
+                    )
+                continue
+            # The shape of vLLM's own OffloadingConnector's default events: one per
+            # block, its hash only (no parent, tokens or block size are known here).
+            events.extend(
+                BlockStored(
+                    block_hashes=[h],
+                    parent_block_hash=None,
+                    token_ids=[],
+                    block_size=0,
+                    lora_id=None,
+                    medium=medium,
+                    lora_name=None,
+                    group_idx=0,
+                    ownership=tier.name,
+                )
+                for h in hashes
+            )
+        while len(self.hashes) > self.cap:
+            self.hashes.popitem(last=False)
+        return events, unknown
+
+
+def _external_hash(block_hash: BlockHash) -> Any:
+    """The hash as vLLM publishes it (bytes, or an int with
+    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``)."""
+    return maybe_convert_block_hash(block_hash) if isinstance(block_hash, bytes) else block_hash
+
+
+class TieredOffloadKVEvents(KVConnectorKVEvents):  # type: ignore[misc]  # vLLM: Any
+    """One step's KV events from the worker side, carried to the scheduler side in the
+    step's ``KVConnectorOutput`` (vLLM combines the workers' with ``add_events`` and
+    ``increment_workers``)."""
+
+    def __init__(self, events: Iterable[KVCacheEvent] = (), workers: int = 1) -> None:
+        self._events = list(events)
+        self._workers = workers
+
+    def add_events(self, events: list[KVCacheEvent]) -> None:
+        self._events.extend(events)
+
+    def aggregate(self) -> TieredOffloadKVEvents:
+        """Keep what every worker reported, as vLLM's aggregator does (with one worker,
+        everything, duplicates included)."""
+        if self._workers > 1:
+            counts = Counter(self._events)
+            self._events = [
+                e for e in dict.fromkeys(self._events) for _ in range(counts[e] // self._workers)
+            ]
+            self._workers = 1
+        return self
+
+    def increment_workers(self, count: int = 1) -> None:
+        self._workers += count
+
+    def get_all_events(self) -> list[KVCacheEvent]:
+        return list(self._events)
+
+    def get_number_of_workers(self) -> int:
+        return self._workers
+
+    def clear_events(self) -> None:
+        self._events = []
+        self._workers = 1
 
 
 @dataclass
@@ -183,6 +353,7 @@ class _Shared:
     """What the two roles of one engine share in its process."""
 
     offloader: Offloader
+    events: _EventBook
     plans: dict[int, LoadPlan] = field(default_factory=dict)
     next_plan: int = 0
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
@@ -287,18 +458,21 @@ class _RemoteBooks:
         return int(plan_id), int(hits)
 
 
-def connector_counters() -> dict[str, dict[str, int]]:
-    """This process's connector counters per engine id, plus each tier's hits,
-    stored blocks, dropped stores and corrupt blocks (``tier.<name>.<counter>``)."""
-    out: dict[str, dict[str, int]] = {}
+def _snapshot(shared: _Shared) -> dict[str, int | float]:
+    """One engine's counters now: :data:`COUNTERS`, and :data:`TIER_STATS` per tier as
+    ``tier.<name>.<counter>``."""
+    counts: dict[str, int | float] = dict(shared.counters)
+    for t in shared.offloader.stats:
+        for name in TIER_STATS:
+            counts[f"tier.{t.name}.{name}"] = getattr(t, name)
+    return counts
+
+
+def connector_counters() -> dict[str, dict[str, int | float]]:
+    """This process's connector counters per engine id (see :func:`_snapshot`): totals
+    since the worker side started."""
     with _REGISTRY_LOCK:
-        for engine_id, shared in _REGISTRY.items():
-            counts = dict(shared.counters)
-            for t in shared.offloader.stats:
-                for name in ("hits", "blocks_stored", "dropped_stores", "corrupt_blocks"):
-                    counts[f"tier.{t.name}.{name}"] = getattr(t, name)
-            out[engine_id] = counts
-    return out
+        return {engine_id: _snapshot(shared) for engine_id, shared in _REGISTRY.items()}
 
 
 _REGISTRY: dict[str, _Shared] = {}
@@ -313,6 +487,8 @@ class _Load:
     """GPU blocks to load into, one per planned key."""
     resumed: bool = False
     """The request was preempted earlier: this load brings its work back."""
+    hashes: list[BlockHash] = field(default_factory=list)
+    """vLLM's hashes of the planned keys, for KV events (empty when they are off)."""
 
 
 @dataclass
@@ -320,6 +496,8 @@ class _Store:
     req_id: str
     keys: list[BlockKey]
     block_ids: list[int]
+    hashes: list[BlockHash] = field(default_factory=list)
+    """vLLM's hashes of ``keys``, for KV events (empty when they are off)."""
 
 
 @dataclass
@@ -328,6 +506,91 @@ class TieredOffloadMetadata(KVConnectorMetadata):  # type: ignore[misc]  # vLLM:
 
     loads: list[_Load] = field(default_factory=list)
     stores: list[_Store] = field(default_factory=list)
+
+
+class TieredOffloadPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]  # vLLM: Any
+    """Prometheus counters for :class:`TieredOffloadStats`, built by vLLM's metrics
+    process: ``vllm:kvoffload_<counter>`` per engine for :data:`COUNTERS`, and
+    ``vllm:kvoffload_tier_<counter>`` per engine and ``tier`` for :data:`TIER_STATS`.
+
+    The stats are deltas, so ``observe`` adds each to its counter. The configured tiers'
+    series are created up front (at zero, so rates work from the first scrape); a tier
+    the config does not name (it changed under a running worker) gets its series when
+    first seen, and keys this version does not know are ignored."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[Any], type[Any]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._engine_counters = {
+            name: self._counter_cls(
+                name=f"{PROM_PREFIX}{name}", documentation=doc, labelnames=labelnames
+            )
+            for name, doc in COUNTERS.items()
+        }
+        self._tier_counters = {
+            name: self._counter_cls(
+                name=f"{PROM_PREFIX}tier_{name}",
+                documentation=doc,
+                labelnames=[*labelnames, "tier"],
+            )
+            for name, doc in TIER_STATS.items()
+        }
+        self._children: dict[tuple[int, str, str | None], Any] = {}
+        tiers = _configured_tiers(vllm_config)
+        for engine_idx in per_engine_labelvalues:
+            for name in COUNTERS:
+                self._child(engine_idx, name, None)
+            for tier in tiers:
+                for name in TIER_STATS:
+                    self._child(engine_idx, name, tier)
+
+    def _child(self, engine_idx: int, name: str, tier: str | None) -> Any:
+        """The labelled counter of one engine (and tier), created on first use."""
+        key = (engine_idx, name, tier)
+        child = self._children.get(key)
+        if child is None:
+            values = list(self.per_engine_labelvalues[engine_idx])
+            if tier is None:
+                child = self._engine_counters[name].labels(*values)
+            else:
+                child = self._tier_counters[name].labels(*values, tier)
+            self._children[key] = child
+        return child
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, value in transfer_stats_data.items():
+            if not isinstance(value, int | float) or value <= 0:
+                continue  # a counter only goes up
+            if key.startswith("tier."):
+                tier, _, name = key.removeprefix("tier.").rpartition(".")
+                if tier and name in TIER_STATS:
+                    self._child(engine_idx, name, tier).inc(value)
+            elif key in COUNTERS:
+                self._child(engine_idx, key, None).inc(value)
+
+
+def _configured_tiers(vllm_config: VllmConfig) -> list[str]:
+    """The tier names of the kvoffload config vLLM was given; none if it cannot be read
+    here (the engine reports the error; metrics then create tiers as they appear)."""
+    transfer = vllm_config.kv_transfer_config
+    if transfer is None:
+        return []
+    try:
+        config = config_from_vllm(dict(transfer.kv_connector_extra_config or {}))
+    except ConfigError as exc:
+        logger.warning("kvoffload metrics: tiers not known up front: %s", exc)
+        return []
+    return [t.name for t in config.tiers]
+
+
+def _events_enabled(vllm_config: VllmConfig) -> bool:
+    events = vllm_config.kv_events_config
+    return bool(events is not None and events.enable_kv_cache_events)
 
 
 @dataclass
@@ -361,18 +624,20 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
         self.block_size = vllm_config.cache_config.block_size
         self.engine_id = str(transfer.engine_id)
         self._namespace = self.layout.fingerprint
+        self._events_enabled = _events_enabled(vllm_config)
         # scheduler side
         self._reqs: dict[str, _ReqState] = {}
         self._pending_loads: list[_Load] = []
         self._preempted: set[str] = set()
         self._remote: _RemoteBooks | None = None
+        self._events: list[KVCacheEvent] = []
         # worker side
         self._store_jobs: dict[int, str] = {}
         self._stores_left: dict[str, int] = {}
         self._finished_waiting: set[str] = set()
         self._load_errors: set[int] = set()
         self._ever_stored: set[str] = set()
-        self._reported: dict[str, int] = {}
+        self._reported: dict[str, int | float] = {}
 
     # ------------------------------------------------------------------ helpers
     def _shared(self) -> _Shared:
@@ -432,7 +697,8 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
         keys = self._keys(request, start + n)[start:]
         plan_id, _ = self._books().plan(keys)
         resumed = request.request_id in self._preempted
-        self._pending_loads.append(_Load(request.request_id, plan_id, targets, resumed))
+        hashes = list(request.block_hashes[start : start + n]) if self._events_enabled else []
+        self._pending_loads.append(_Load(request.request_id, plan_id, targets, resumed, hashes))
         # Blocks being loaded are held by us already: no need to store them back.
         state.stored_blocks = max(state.stored_blocks, start + n)
 
@@ -464,7 +730,8 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
             if full > state.stored_blocks:
                 first = state.stored_blocks
                 keys = self._keys(req, full)[first:]
-                meta.stores.append(_Store(req_id, keys, state.block_ids[first:full]))
+                hashes = list(req.block_hashes[first:full]) if self._events_enabled else []
+                meta.stores.append(_Store(req_id, keys, state.block_ids[first:full], hashes))
                 state.stored_blocks = full
                 state.had_store = True
         return meta
@@ -478,11 +745,32 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
         # reports the id once they are done.
         return (state is not None and state.had_store), None
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Collect the KV events the worker side sent with its step output.
+
+        Nothing else to do here: in this design the worker side's Offloader completes
+        loads and stores itself (``start_load_kv`` waits for the step's loads,
+        ``get_finished`` collects finished stores and reports the requests whose
+        blocks may be freed: ``finished_sending``), and the scheduler side forgot
+        those requests in ``request_finished`` already."""
+        events = connector_output.kv_cache_events
+        if self._events_enabled and isinstance(events, TieredOffloadKVEvents):
+            self._events.extend(events.aggregate().get_all_events())
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """The tiers' ``BlockStored`` / ``BlockRemoved`` events since the previous call
+        (vLLM calls this right after ``update_connector_output``, every step); none
+        when KV events are off."""
+        events, self._events = self._events, []
+        return events
+
     # -------------------------------------------------------------- worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         pool = BlockPool(list(kv_caches.values()))
-        offloader = Offloader(self.config, self.layout, pool)
-        shared = _Shared(offloader)
+        offloader = Offloader(self.config, self.layout, pool, events=self._events_enabled)
+        held = sum(t.capacity_blocks for t in offloader.stats)
+        book = _EventBook(enabled=self._events_enabled, cap=min(held, MAX_EVENT_HASHES))
+        shared = _Shared(offloader, book)
         shared.server = _BooksServer(shared, self.engine_id)
         with _REGISTRY_LOCK:
             _REGISTRY[self.engine_id] = shared
@@ -505,6 +793,8 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
         for load in meta.loads:
             with _REGISTRY_LOCK:
                 plan = shared.plans.pop(load.plan_id)
+            if load.hashes:  # promotions into the first tier are stores too
+                shared.events.remember(plan.keys, load.hashes[: plan.hits])
             job = off.submit_load(plan, load.block_ids[: plan.hits])
             if job is None:
                 self._load_errors.update(load.block_ids)
@@ -518,6 +808,7 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
             loaded = result.nbytes // off.bpb if result.success else 0
             self._load_errors.update(load.block_ids[loaded:])
             counters["blocks_loaded"] += loaded
+            counters["tokens_loaded"] += loaded * self.block_size
             if load.resumed:
                 counters["blocks_loaded_after_preemption"] += loaded
 
@@ -537,6 +828,8 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
         for store in meta.stores:
             shared.counters["blocks_submitted_for_store"] += len(store.keys)
             self._ever_stored.add(store.req_id)
+            if store.hashes:
+                shared.events.remember(store.keys, store.hashes)
             job = off.submit_store(store.keys, store.block_ids)
             if job is not None:
                 self._store_jobs[job] = store.req_id
@@ -544,36 +837,40 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         # A preempted request's blocks are about to be reused: finish its stores first.
-        if self._store_jobs and _REGISTRY.get(self.engine_id) is not None:
-            self._collect(self._shared().offloader.wait(list(self._store_jobs)))
+        shared = _REGISTRY.get(self.engine_id)
+        if self._store_jobs and shared is not None:
+            self._collect(shared, shared.offloader.wait(list(self._store_jobs)))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         shared = _REGISTRY.get(self.engine_id)
         if shared is not None:
-            self._collect(shared.offloader.get_finished())
+            self._collect(shared, shared.offloader.get_finished())
         self._finished_waiting.update(r for r in finished_req_ids if r in self._ever_stored)
         done = {r for r in self._finished_waiting if self._stores_left.get(r, 0) == 0}
         self._finished_waiting -= done
         self._ever_stored -= done
         return (done or None), None
 
-    def _collect(self, results: list[Any]) -> None:
+    def _collect(self, shared: _Shared, results: list[Any]) -> None:
+        """Book finished store jobs: per request, and the tokens they wrote."""
+        bpb = shared.offloader.bpb
         for result in results:
             req_id = self._store_jobs.pop(result.job_id, None)
             if req_id is not None:
+                if result.success:
+                    shared.counters["tokens_stored"] += result.nbytes // bpb * self.block_size
                 self._stores_left[req_id] -= 1
                 if self._stores_left[req_id] == 0:
                     del self._stores_left[req_id]
 
     def get_kv_connector_stats(self) -> TieredOffloadStats | None:
-        """Counts since the previous call (worker side)."""
+        """Counts since the previous call (worker side). vLLM asks the scheduler side
+        too, and when both share a process it would find the same Offloader: only the
+        worker side reports, or every count would be doubled."""
         shared = _REGISTRY.get(self.engine_id)
-        if shared is None:
+        if shared is None or self.role != KVConnectorRole.WORKER:
             return None
-        now: dict[str, int] = dict(shared.counters)
-        for t in shared.offloader.stats:
-            for name in TIER_STATS:
-                now[f"tier.{t.name}.{name}"] = getattr(t, name)
+        now = _snapshot(shared)
         delta = {k: v - self._reported.get(k, 0) for k, v in now.items()}
         self._reported = now
         stats = TieredOffloadStats(data={k: v for k, v in delta.items() if v})
@@ -584,6 +881,28 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
         cls, data: dict[str, Any] | None = None
     ) -> TieredOffloadStats | None:
         return TieredOffloadStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[Any], type[Any]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> TieredOffloadPromMetrics:
+        return TieredOffloadPromMetrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )
+
+    def get_kv_connector_kv_cache_events(self) -> TieredOffloadKVEvents | None:
+        """The tiers' KV events since the previous step (worker side; ``None`` when
+        there are none, or events are off). Drains the tiers' records either way."""
+        shared = _REGISTRY.get(self.engine_id)
+        if shared is None or self.role != KVConnectorRole.WORKER:
+            return None
+        events, unknown = shared.events.take(shared.offloader)
+        shared.counters["kv_events_dropped"] += unknown
+        return TieredOffloadKVEvents(events) if events else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

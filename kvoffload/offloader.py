@@ -52,6 +52,7 @@ from kvoffload.config import KVOffloadConfig, TierConfig
 from kvoffload.exceptions import BackendError
 from kvoffload.keys import BlockKey
 from kvoffload.layout import KVLayout
+from kvoffload.manager import OffloadingEvent
 from kvoffload.tier import Tier, build_tiers
 from kvoffload.transfer import JobResult, TransferWorker
 
@@ -213,6 +214,7 @@ class Offloader:
         pool: BlockPool | None = None,
         *,
         tiers: list[Tier] | None = None,
+        events: bool = False,
     ) -> None:
         self.layout = layout
         self.pool = pool
@@ -220,7 +222,7 @@ class Offloader:
             pool.check_layout(layout)
         self.bpb = layout.bytes_per_block
         self.tier_configs: list[TierConfig] = config.resolved_tiers()
-        self.tiers = tiers if tiers is not None else build_tiers(config, layout)
+        self.tiers = tiers if tiers is not None else build_tiers(config, layout, events=events)
         self._lock = threading.Lock()
         self._loads_done = threading.Condition(self._lock)
         self._loads_active = 0
@@ -382,6 +384,13 @@ class Offloader:
             return [
                 f"{t.name}: {p}" for t in self.tiers for p in t.manager.check() + t.backend.check()
             ]
+
+    def take_events(self) -> list[tuple[Tier, OffloadingEvent]]:
+        """Every tier's stored / removed records since the previous call, each with its
+        tier (empty unless built with ``events=True``). The lane threads change the
+        books under the lock, so the records are taken under it too."""
+        with self._lock:
+            return [(t, ev) for t in self.tiers for ev in t.manager.take_events()]
 
     def pending_stores(self) -> list[int]:
         """Store jobs queued or running, per tier."""

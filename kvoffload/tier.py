@@ -39,13 +39,19 @@ class Tier:
         self.backend.close()
 
 
-def build_tiers(config: KVOffloadConfig, layout: KVLayout) -> list[Tier]:
-    """Instantiate every configured tier for ``layout``; closes what it opened on error."""
+def build_tiers(config: KVOffloadConfig, layout: KVLayout, *, events: bool = False) -> list[Tier]:
+    """Instantiate every configured tier for ``layout``; closes what it opened on error.
+
+    ``events``: the managers record stored / removed events for ``take_events``. Off
+    unless a consumer drains them (the vLLM connector with KV events on): undrained
+    records would grow with every block ever stored."""
     tiers: list[Tier] = []
     try:
         for tier_config in config.resolved_tiers():
             backend = create_backend(tier_config, layout)
-            manager = LRUOffloadingManager(backend.slots, config.eviction, name=tier_config.name)
+            manager = LRUOffloadingManager(
+                backend.slots, config.eviction, name=tier_config.name, enable_events=events
+            )
             tiers.append(Tier(tier_config.name, backend, manager))
             manager.restore((b.key, b.slot) for b in backend.recover())
     except BaseException:

@@ -312,3 +312,28 @@ def test_close_with_jobs_in_flight_does_not_hang(tmp_path: Path, pool: BlockPool
     with _offloader(tiers, pool) as again:
         assert len(again.tiers[1].manager) > 0
         assert again.check() == []
+
+
+def test_events_are_recorded_only_when_asked(tmp_path: Path, pool: BlockPool) -> None:
+    """Undrained event records would grow with every block ever stored: an Offloader
+    records none unless built with ``events=True`` (the vLLM connector with KV events
+    on), and then every tier's stores show up once, with their tier."""
+    keys = _keys(4)
+    quiet = _offloader(_tiers(tmp_path / "a", cpu_blocks=16), pool)
+    try:
+        _store(quiet, keys, list(range(4)))
+        assert quiet.take_events() == []
+    finally:
+        quiet.close()
+    cfg = load_config({"tiers": _tiers(tmp_path / "b", cpu_blocks=16)}, env={})
+    loud = Offloader(cfg, LAYOUT, pool, events=True)
+    try:
+        _store(loud, keys, list(range(4)))
+        stored: dict[str, list[BlockKey]] = {}
+        for tier, ev in loud.take_events():
+            assert not ev.removed
+            stored.setdefault(tier.name, []).extend(ev.keys)
+        assert stored == {"cpu": keys, "ssd": keys, "db": keys}  # write-through
+        assert loud.take_events() == []
+    finally:
+        loud.close()

@@ -27,3 +27,22 @@ def test_stats_aggregate_by_addition_and_reduce_to_the_sums() -> None:
     merged.reset()
     assert merged.is_empty()
     assert TieredOffloadStats(data={"blocks_loaded": 0}).is_empty()
+
+
+def test_token_and_seconds_counters_add_up_too() -> None:
+    a = TieredOffloadConnector.build_kv_connector_stats(
+        {"tokens_loaded": 96, "tier.cpu.read_seconds": 0.25, "tier.cpu.write_seconds": 0.5}
+    )
+    b = TieredOffloadConnector.build_kv_connector_stats(
+        {"tokens_stored": 64, "tokens_loaded": 32, "tier.cpu.read_seconds": 0.5}
+    )
+    assert isinstance(a, TieredOffloadStats)
+    assert isinstance(b, TieredOffloadStats)
+    assert a.aggregate(b).reduce() == {
+        "tokens_loaded": 128,
+        "tokens_stored": 64,
+        "tier.cpu.read_seconds": 0.75,
+        "tier.cpu.write_seconds": 0.5,
+    }
+    assert TieredOffloadStats(data={"tier.cpu.read_seconds": 0.0}).is_empty()
+    assert not TieredOffloadStats(data={"tier.cpu.read_seconds": 1e-6}).is_empty()

@@ -1,0 +1,344 @@
+"""The connector's Prometheus metrics, stats counters and KV events, on real vLLM objects.
+
+The two roles run in this process, as in vLLM's single-process mode: a worker side over
+a small torch KV cache, and a scheduler side that finds it through the registry. Steps
+are driven with vLLM's own ``Request`` / ``SchedulerOutput`` / ``KVConnectorOutput``."""
+
+from __future__ import annotations
+
+import pickle
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch
+from kvoffload.connectors.vllm import (
+    _REGISTRY,
+    TieredOffloadConnector,
+    TieredOffloadKVEvents,
+    TieredOffloadPromMetrics,
+    TieredOffloadStats,
+)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from vllm.config import CacheConfig, KVEventsConfig, KVTransferConfig, ModelConfig, VllmConfig
+from vllm.distributed.kv_events import BlockRemoved, BlockStored
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import (
+    KVCacheBlock,
+    get_request_block_hasher,
+    init_none_hash,
+    maybe_convert_block_hash,
+)
+from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import Request
+
+sys.path.insert(0, str(Path(__file__).parent / "e2e"))
+from engine_run import write_tiny_llama
+
+BLOCK = 32  # tokens per block
+BYTES_PER_BLOCK = 2 * 2 * BLOCK * 2 * 32 * 2  # layers x (K, V) x tokens x heads x dim x bf16
+LABELS = ["model_name", "engine"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The end-to-end tests' tiny Llama: a config only, which is all vLLM's config needs."""
+    return str(write_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
+
+
+def vllm_config(model_dir: str, tiers: list[dict[str, Any]], *, events: bool) -> VllmConfig:
+    return VllmConfig(
+        model_config=ModelConfig(
+            model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=2048
+        ),
+        cache_config=CacheConfig(block_size=BLOCK),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="TieredOffloadConnector",
+            kv_connector_module_path="kvoffload.connectors.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config={"config": {"tiers": tiers}},
+        ),
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=True) if events else None,
+    )
+
+
+def metric_types(registry: CollectorRegistry) -> dict[type[Any], type[Any]]:
+    """vLLM's metric classes, registered in ``registry`` instead of the global one."""
+
+    class RCounter(Counter):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, registry=registry, **kwargs)
+
+    class RGauge(Gauge):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, registry=registry, **kwargs)
+
+    class RHistogram(Histogram):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, registry=registry, **kwargs)
+
+    return {Counter: RCounter, Gauge: RGauge, Histogram: RHistogram}
+
+
+def sample(registry: CollectorRegistry, name: str, engine: str, tier: str | None = None) -> Any:
+    labels = {"model_name": "m", "engine": engine} | ({"tier": tier} if tier else {})
+    return registry.get_sample_value(name, labels)
+
+
+# ------------------------------------------------------------------------- prometheus
+def test_prom_counters_add_the_observed_deltas_by_engine_and_tier(model_dir: str) -> None:
+    config = vllm_config(
+        model_dir,
+        [{"name": "cpu", "capacity": "1MiB"}, {"name": "ram2", "capacity": "2MiB"}],
+        events=False,
+    )
+    registry = CollectorRegistry()
+    prom = TieredOffloadConnector.build_prom_metrics(
+        config, metric_types(registry), LABELS, {0: ["m", "0"], 1: ["m", "1"]}
+    )
+    assert isinstance(prom, TieredOffloadPromMetrics)
+    # The configured tiers' series exist before anything is observed.
+    assert sample(registry, "vllm:kvoffload_tier_hits_total", "0", "ram2") == 0.0
+    assert sample(registry, "vllm:kvoffload_tokens_loaded_total", "1") == 0.0
+
+    data = {
+        "tokens_loaded": 96,
+        "blocks_loaded": 3,
+        "tier.cpu.hits": 3,
+        "tier.cpu.read_seconds": 0.25,
+        "tier.ram2.bytes_written": 4096,
+        "tier.gone.tier.hits": 2,  # a tier the config no longer names (dots allowed)
+        "tier.cpu.no_such_counter": 5,
+        "no_such_counter": 7,
+    }
+    prom.observe(data, engine_idx=1)
+    prom.observe({"tokens_loaded": 32, "tier.cpu.read_seconds": 0.5}, engine_idx=1)
+
+    assert sample(registry, "vllm:kvoffload_tokens_loaded_total", "1") == 128.0
+    assert sample(registry, "vllm:kvoffload_blocks_loaded_total", "1") == 3.0
+    assert sample(registry, "vllm:kvoffload_tier_hits_total", "1", "cpu") == 3.0
+    assert sample(registry, "vllm:kvoffload_tier_read_seconds_total", "1", "cpu") == 0.75
+    assert sample(registry, "vllm:kvoffload_tier_bytes_written_total", "1", "ram2") == 4096.0
+    assert sample(registry, "vllm:kvoffload_tier_hits_total", "1", "gone.tier") == 2.0
+    # The other engine saw nothing; unknown keys made no series.
+    assert sample(registry, "vllm:kvoffload_tokens_loaded_total", "0") == 0.0
+    assert sample(registry, "vllm:kvoffload_tier_hits_total", "0", "cpu") == 0.0
+    names = {m.name for m in registry.collect()}
+    assert "vllm:kvoffload_no_such_counter" not in names
+    assert "vllm:kvoffload_tier_no_such_counter" not in names
+
+
+# --------------------------------------------------------------------- both sides
+class Engine:
+    """A worker side and a scheduler side of one engine, in this process."""
+
+    def __init__(self, config: VllmConfig, num_blocks: int = 16) -> None:
+        self.config = config
+        self.worker = TieredOffloadConnector(config, KVConnectorRole.WORKER)
+        layers = {
+            f"layer{i}": torch.zeros((num_blocks, 2, BLOCK, 2, 32), dtype=torch.bfloat16)
+            for i in range(2)
+        }
+        self.worker.register_kv_caches(layers)
+        self.scheduler = TieredOffloadConnector(config, KVConnectorRole.SCHEDULER)
+        init_none_hash(sha256)
+        self.hasher = get_request_block_hasher(BLOCK, sha256)
+
+    def request(self, req_id: str, tokens: list[int]) -> Request:
+        return Request(req_id, tokens, SamplingParams(max_tokens=1), None, block_hasher=self.hasher)
+
+    def admit(self, req: Request, block_ids: list[int]) -> int:
+        """What vLLM's scheduler does for a new request: ask for a hit beyond its own
+        (none here), allocate, and tell the connector. The tokens the tiers hold."""
+        matched, is_async = self.scheduler.get_num_new_matched_tokens(req, 0)
+        assert is_async is False
+        blocks = KVCacheBlocks(blocks=([KVCacheBlock(block_id=i) for i in block_ids],))
+        self.scheduler.update_state_after_alloc(req, blocks, matched or 0)
+        return matched or 0
+
+    def step(
+        self, req: Request, block_ids: list[int], num_tokens: int
+    ) -> tuple[list[Any], TieredOffloadStats | None]:
+        """One engine step scheduling ``num_tokens`` of ``req`` (admitted, new to the
+        step) into ``block_ids``; waits for its stores, if any. The scheduler side's
+        events and the worker side's stats of the step."""
+        out = SchedulerOutput.make_empty()
+        out.scheduled_new_reqs = [
+            NewRequestData(
+                req_id=req.request_id,
+                prompt_token_ids=req.prompt_token_ids,
+                mm_features=[],
+                sampling_params=req.sampling_params,
+                pooling_params=None,
+                block_ids=(block_ids,),
+                num_computed_tokens=0,
+                lora_request=None,
+            )
+        ]
+        out.num_scheduled_tokens = {req.request_id: num_tokens}
+        out.total_num_scheduled_tokens = num_tokens
+        meta = self.scheduler.build_connector_meta(out)
+        self.worker.bind_connector_metadata(meta)
+        self.worker.start_load_kv(None)
+        self.worker.wait_for_save()
+        # Finish the request, then step until the worker says its stores are done.
+        deadline = time.monotonic() + 30
+        finished = {req.request_id}
+        while meta.stores and req.request_id not in (
+            self.worker.get_finished(finished)[0] or set()
+        ):
+            finished = set()
+            assert time.monotonic() < deadline, "stores did not finish"
+            time.sleep(0.005)
+        output = KVConnectorOutput(
+            kv_cache_events=self.worker.get_kv_connector_kv_cache_events(),
+            kv_connector_stats=self.worker.get_kv_connector_stats(),
+        )
+        self.worker.clear_connector_metadata()
+        self.scheduler.update_connector_output(output)
+        return list(self.scheduler.take_events()), output.kv_connector_stats
+
+    def close(self) -> None:
+        self.worker.shutdown()
+
+
+def _engine(model_dir: str, *, events: bool) -> Iterator[Engine]:
+    # 4 blocks of room: a second 3-block prompt evicts 2 blocks of the first.
+    tiers = [{"name": "cpu", "capacity": 4 * BYTES_PER_BLOCK}]
+    engine = Engine(vllm_config(model_dir, tiers, events=events))
+    yield engine
+    engine.close()
+
+
+@pytest.fixture
+def events_on(model_dir: str) -> Iterator[Engine]:
+    yield from _engine(model_dir, events=True)
+
+
+@pytest.fixture
+def events_off(model_dir: str) -> Iterator[Engine]:
+    yield from _engine(model_dir, events=False)
+
+
+def prompt(first: int) -> list[int]:
+    return [(first + i) % 1000 for i in range(3 * BLOCK + 1)]
+
+
+def test_stores_and_evictions_become_vllm_kv_events(events_on: Engine) -> None:
+    eng = events_on
+    a = eng.request("a", prompt(0))
+    assert len(a.block_hashes) == 3
+    hashes_a = [maybe_convert_block_hash(h) for h in a.block_hashes]
+
+    assert eng.admit(a, [0, 1, 2, 3]) == 0
+    events, stats = eng.step(a, [0, 1, 2, 3], len(a.prompt_token_ids or []))
+    assert [type(e) for e in events] == [BlockStored] * 3
+    assert [e.block_hashes for e in events] == [[h] for h in hashes_a]
+    assert {(e.medium, e.ownership) for e in events} == {("CPU", "cpu")}
+    assert stats is not None
+    assert stats.data["tokens_stored"] == 3 * BLOCK
+    assert stats.data["tier.cpu.blocks_stored"] == 3
+    assert stats.data["tier.cpu.bytes_written"] == 3 * BYTES_PER_BLOCK
+    assert isinstance(stats.data["tier.cpu.write_seconds"], float)
+    assert stats.data["tier.cpu.write_seconds"] > 0
+
+    b = eng.request("b", prompt(500))
+    hashes_b = [maybe_convert_block_hash(h) for h in b.block_hashes]
+    assert eng.admit(b, [4, 5, 6, 7]) == 0
+    events, _ = eng.step(b, [4, 5, 6, 7], len(b.prompt_token_ids or []))
+    removed = [e for e in events if isinstance(e, BlockRemoved)]
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    assert [e.block_hashes for e in stored] == [[h] for h in hashes_b]
+    evicted = [h for e in removed for h in e.block_hashes]
+    assert len(evicted) == 2
+    assert set(evicted) <= set(hashes_a)
+    assert all((e.medium, e.ownership) == ("CPU", "cpu") for e in removed)
+    # Nothing is reported twice.
+    assert list(eng.scheduler.take_events()) == []
+
+
+def test_a_load_counts_its_tokens_and_only_the_worker_side_reports(events_on: Engine) -> None:
+    eng = events_on
+    a = eng.request("a", prompt(0))
+    eng.admit(a, [0, 1, 2, 3])
+    eng.step(a, [0, 1, 2, 3], len(a.prompt_token_ids or []))
+
+    again = eng.request("again", prompt(0))
+    targets = [8, 9, 10, 11]
+    assert eng.admit(again, targets) == 3 * BLOCK
+    events, stats = eng.step(again, targets, 1)
+
+    assert stats is not None
+    assert stats.data["tokens_loaded"] == 3 * BLOCK
+    assert stats.data["blocks_loaded"] == 3
+    assert stats.data["tier.cpu.hits"] == 3
+    assert stats.data["tier.cpu.bytes_read"] == 3 * BYTES_PER_BLOCK
+    assert "tokens_stored" not in stats.data  # a delta: nothing stored this step
+    assert events == []  # a load from the first tier stores nothing
+    # The scheduler side shares the process (and the Offloader): it reports nothing,
+    # or vLLM, which adds both sides' stats, would count everything twice.
+    assert eng.scheduler.get_kv_connector_stats() is None
+
+
+def test_no_events_when_disabled_and_no_tier_records_pile_up(events_off: Engine) -> None:
+    eng = events_off
+    a = eng.request("a", prompt(0))
+    assert eng.admit(a, [0, 1, 2, 3]) == 0
+    events, stats = eng.step(a, [0, 1, 2, 3], len(a.prompt_token_ids or []))
+    assert events == []
+    assert stats is not None
+    assert stats.data["tokens_stored"] == 3 * BLOCK
+    assert eng.worker.get_kv_connector_kv_cache_events() is None
+    # With events off the tiers record nothing at all, so nothing piles up.
+    offloader = _REGISTRY[eng.worker.engine_id].offloader
+    assert offloader.tiers[0].manager.take_events() == []
+
+
+def test_worker_stats_feed_the_prometheus_counters(events_on: Engine, model_dir: str) -> None:
+    eng = events_on
+    a = eng.request("a", prompt(0))
+    eng.admit(a, [0, 1, 2, 3])
+    _, stats = eng.step(a, [0, 1, 2, 3], len(a.prompt_token_ids or []))
+    assert stats is not None
+    registry = CollectorRegistry()
+    prom = TieredOffloadConnector.build_prom_metrics(
+        eng.config, metric_types(registry), LABELS, {0: ["m", "0"]}
+    )
+    prom.observe(stats.to_dict(), engine_idx=0)
+    assert sample(registry, "vllm:kvoffload_tokens_stored_total", "0") == 3 * BLOCK
+    assert sample(registry, "vllm:kvoffload_tier_blocks_stored_total", "0", "cpu") == 3
+    seconds = sample(registry, "vllm:kvoffload_tier_write_seconds_total", "0", "cpu")
+    assert seconds == pytest.approx(stats.data["tier.cpu.write_seconds"])
+
+
+def test_events_from_several_workers_keep_what_all_reported() -> None:
+    def stored(h: bytes) -> BlockStored:
+        return BlockStored(
+            block_hashes=[h],
+            parent_block_hash=None,
+            token_ids=[],
+            block_size=0,
+            lora_id=None,
+            medium="CPU",
+            lora_name=None,
+        )
+
+    combined = TieredOffloadKVEvents([stored(b"a"), stored(b"b")])
+    combined.add_events([stored(b"a")])  # as vLLM's output aggregator combines workers
+    combined.increment_workers(1)
+    assert combined.aggregate().get_all_events() == [stored(b"a")]
+    assert combined.get_number_of_workers() == 1
+    single = TieredOffloadKVEvents([stored(b"a"), stored(b"a")])
+    assert single.aggregate().get_all_events() == [stored(b"a"), stored(b"a")]
+    # They cross from the worker's process to the engine core's pickled.
+    assert pickle.loads(pickle.dumps(single)).get_all_events() == [stored(b"a")] * 2
