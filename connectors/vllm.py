@@ -354,30 +354,34 @@ class _Shared:
 
     offloader: Offloader
     events: _EventBook
+    namespace: bytes
+    """This rank's layout fingerprint: every key the scheduler side sends is namespaced
+    with it here, so each rank keeps (and finds) its own shard of a block."""
     plans: dict[int, LoadPlan] = field(default_factory=dict)
-    next_plan: int = 0
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
     server: _BooksServer | None = None
+
+    def ns(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
+        """vLLM's block keys as this rank's tiers hold them."""
+        return [namespaced(k, self.namespace) for k in keys]
 
     # The scheduler side's two questions, answered here (in this process, or for a
     # scheduler in another process through _BooksServer).
     def lookup(self, keys: list[BlockKey]) -> int:
         self.counters["lookups"] += 1
-        return self.offloader.lookup(keys)
+        return self.offloader.lookup(self.ns(keys))
 
-    def plan(self, keys: list[BlockKey]) -> tuple[int, int]:
-        """Plan (and pin) a load; its id for the step's metadata, and its length."""
-        plan = self.offloader.prepare_load(keys)
+    def plan(self, plan_id: int, keys: list[BlockKey]) -> int:
+        """Plan (and pin) a load under the scheduler's ``plan_id``; its length."""
+        plan = self.offloader.prepare_load(self.ns(keys))
         with _REGISTRY_LOCK:
-            plan_id = self.next_plan
-            self.next_plan += 1
             self.plans[plan_id] = plan
         self.counters["blocks_planned"] += plan.hits
-        return plan_id, plan.hits
+        return plan.hits
 
 
-def _address(engine_id: str) -> str:
-    return str(Path(tempfile.gettempdir()) / f"kvoffload-{engine_id}.sock")
+def _address(engine_id: str, rank: int) -> str:
+    return str(Path(tempfile.gettempdir()) / f"kvoffload-{engine_id}-{rank}.sock")
 
 
 def _authkey(engine_id: str) -> bytes:
@@ -386,12 +390,13 @@ def _authkey(engine_id: str) -> bytes:
 
 class _BooksServer:
     """Answers a scheduler in another process (vLLM's default on its CPU build runs the
-    worker in its own process): one Unix socket per engine, one thread, requests
-    ``("lookup", keys)`` and ``("plan", keys)`` answered in order. Microseconds per
-    call against a step of milliseconds, and the books stay where the bytes are."""
+    worker in its own process): one Unix socket per engine and rank, one thread,
+    requests ``("lookup", keys)`` and ``("plan", (plan_id, keys))`` answered in order.
+    Microseconds per call against a step of milliseconds, and the books stay where the
+    bytes are."""
 
-    def __init__(self, shared: _Shared, engine_id: str) -> None:
-        self.address = _address(engine_id)
+    def __init__(self, shared: _Shared, engine_id: str, rank: int) -> None:
+        self.address = _address(engine_id, rank)
         Path(self.address).unlink(missing_ok=True)
         self.listener = Listener(self.address, family="AF_UNIX", authkey=_authkey(engine_id))
         self.shared = shared
@@ -407,12 +412,12 @@ class _BooksServer:
             with conn:
                 while True:
                     try:
-                        op, keys = conn.recv()
+                        op, arg = conn.recv()
                     except (EOFError, OSError):
                         break
                     try:
                         answer: object = (
-                            self.shared.lookup(keys) if op == "lookup" else self.shared.plan(keys)
+                            self.shared.lookup(arg) if op == "lookup" else self.shared.plan(*arg)
                         )
                     except Exception as exc:  # the scheduler re-raises it
                         answer = exc
@@ -424,38 +429,45 @@ class _BooksServer:
 
 
 class _RemoteBooks:
-    """The scheduler side's handle on a worker's books in another process."""
+    """The scheduler side's handle on the workers' books in other processes: one
+    connection per rank. Each rank holds its own shard of every block, so a block is
+    loadable only where every rank has it: the answers are the minimum over ranks (the
+    questions go to all ranks before any answer is read)."""
 
-    def __init__(self, engine_id: str) -> None:
-        address = _address(engine_id)
+    def __init__(self, engine_id: str, ranks: int) -> None:
+        self.conns = [self._connect(engine_id, rank) for rank in range(ranks)]
+        self.lock = threading.Lock()
+
+    @staticmethod
+    def _connect(engine_id: str, rank: int) -> Any:
+        address = _address(engine_id, rank)
         deadline = time.monotonic() + 60
         while True:
             try:
-                self.conn = Client(address, family="AF_UNIX", authkey=_authkey(engine_id))
-                break
+                return Client(address, family="AF_UNIX", authkey=_authkey(engine_id))
             except (FileNotFoundError, ConnectionRefusedError):
                 if time.monotonic() > deadline:
                     raise RuntimeError(
                         f"TieredOffloadConnector: no worker-side books at {address} after "
-                        "60 s; is the worker running with this connector (one worker)?"
+                        "60 s; is the worker of this rank running with this connector?"
                     ) from None
                 time.sleep(0.05)
-        self.lock = threading.Lock()
 
-    def _ask(self, op: str, keys: list[BlockKey]) -> Any:
+    def _ask(self, op: str, arg: object) -> int:
         with self.lock:
-            self.conn.send((op, keys))
-            answer = self.conn.recv()
-        if isinstance(answer, Exception):
-            raise answer
-        return answer
+            for conn in self.conns:
+                conn.send((op, arg))
+            answers = [conn.recv() for conn in self.conns]
+        for answer in answers:
+            if isinstance(answer, Exception):
+                raise answer
+        return min(int(a) for a in answers)
 
     def lookup(self, keys: list[BlockKey]) -> int:
-        return int(self._ask("lookup", keys))
+        return self._ask("lookup", keys)
 
-    def plan(self, keys: list[BlockKey]) -> tuple[int, int]:
-        plan_id, hits = self._ask("plan", keys)
-        return int(plan_id), int(hits)
+    def plan(self, plan_id: int, keys: list[BlockKey]) -> int:
+        return self._ask("plan", (plan_id, keys))
 
 
 def _snapshot(shared: _Shared) -> dict[str, int | float]:
@@ -476,7 +488,22 @@ def connector_counters() -> dict[str, dict[str, int | float]]:
 
 
 _REGISTRY: dict[str, _Shared] = {}
+"""Worker-side state in this process, by :func:`_registry_key`."""
 _REGISTRY_LOCK = threading.Lock()
+
+
+def _registry_key(engine_id: str, rank: int) -> str:
+    """The engine id for rank 0 (the only rank of most engines), else ``<id>.rank<r>``."""
+    return engine_id if rank == 0 else f"{engine_id}.rank{rank}"
+
+
+def _per_rank(config: KVOffloadConfig, rank: int) -> KVOffloadConfig:
+    """``config`` with every tier ``path`` moved into a ``rank<r>`` subdirectory."""
+    raw = config.model_dump(mode="json")
+    for tier in raw["tiers"]:
+        if tier.get("path"):
+            tier["path"] = str(Path(tier["path"]) / f"rank{rank}")
+    return load_config(raw, env={})
 
 
 @dataclass
@@ -622,14 +649,30 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
         self.config = config_from_vllm(dict(transfer.kv_connector_extra_config or {}))
         self.layout = layout_from_vllm(vllm_config)
         self.block_size = vllm_config.cache_config.block_size
+        hash_block = getattr(vllm_config.cache_config, "hash_block_size", None)
+        if hash_block not in (None, self.block_size):
+            # Keys are one per ``request.block_hashes`` entry, one per engine block.
+            raise ConfigError(
+                f"cache_config.hash_block_size = {hash_block} differs from block_size = "
+                f"{self.block_size}: kvoffload keys whole blocks; use one block size "
+                "(hybrid models are not supported yet)"
+            )
         self.engine_id = str(transfer.engine_id)
-        self._namespace = self.layout.fingerprint
+        parallel = vllm_config.parallel_config
+        self.ranks = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+        self.rank = parallel.rank if role == KVConnectorRole.WORKER else 0
+        self._slot = _registry_key(self.engine_id, self.rank)
+        if self.ranks > 1 and role == KVConnectorRole.WORKER:
+            # One process per rank, each with its own tiers: a disk tier of one rank
+            # must not share its directory with another's.
+            self.config = _per_rank(self.config, self.rank)
         self._events_enabled = _events_enabled(vllm_config)
         # scheduler side
         self._reqs: dict[str, _ReqState] = {}
         self._pending_loads: list[_Load] = []
         self._preempted: set[str] = set()
         self._remote: _RemoteBooks | None = None
+        self._next_plan = 0
         self._events: list[KVCacheEvent] = []
         # worker side
         self._store_jobs: dict[int, str] = {}
@@ -643,26 +686,28 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
     def _shared(self) -> _Shared:
         """The worker side's state (worker side only)."""
         with _REGISTRY_LOCK:
-            shared = _REGISTRY.get(self.engine_id)
+            shared = _REGISTRY.get(self._slot)
         if shared is None:
             raise RuntimeError("TieredOffloadConnector: no Offloader: register_kv_caches first")
         return shared
 
     def _books(self) -> _Shared | _RemoteBooks:
         """Where the scheduler side asks: the worker's state when it is in this
-        process, else a connection to it."""
+        process (one rank), else connections to every rank."""
         if self._remote is not None:
             return self._remote
-        with _REGISTRY_LOCK:
-            shared = _REGISTRY.get(self.engine_id)
-        if shared is not None:
-            return shared
-        self._remote = _RemoteBooks(self.engine_id)
+        if self.ranks == 1:
+            with _REGISTRY_LOCK:
+                shared = _REGISTRY.get(self._slot)
+            if shared is not None:
+                return shared
+        self._remote = _RemoteBooks(self.engine_id, self.ranks)
         return self._remote
 
     def _keys(self, request: Request, n: int) -> list[BlockKey]:
+        """vLLM's block hashes as keys; each rank namespaces them (``_Shared.ns``)."""
         return [
-            namespaced(key_from_hash(bytes(h) if not isinstance(h, int) else h), self._namespace)
+            key_from_hash(bytes(h) if not isinstance(h, int) else h)
             for h in request.block_hashes[:n]
         ]
 
@@ -695,7 +740,9 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
         # ``blocks`` covers the local hit and the new blocks, from block 0.
         targets = block_ids[start : start + n]
         keys = self._keys(request, start + n)[start:]
-        plan_id, _ = self._books().plan(keys)
+        plan_id = self._next_plan
+        self._next_plan += 1
+        self._books().plan(plan_id, keys)
         resumed = request.request_id in self._preempted
         hashes = list(request.block_hashes[start : start + n]) if self._events_enabled else []
         self._pending_loads.append(_Load(request.request_id, plan_id, targets, resumed, hashes))
@@ -753,7 +800,9 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
         ``get_finished`` collects finished stores and reports the requests whose
         blocks may be freed: ``finished_sending``), and the scheduler side forgot
         those requests in ``request_finished`` already."""
-        events = connector_output.kv_cache_events
+        # ``getattr``: a field vLLM may move (an open upstream change carries worker
+        # events elsewhere); then no events arrive, and nothing breaks.
+        events = getattr(connector_output, "kv_cache_events", None)
         if self._events_enabled and isinstance(events, TieredOffloadKVEvents):
             self._events.extend(events.aggregate().get_all_events())
 
@@ -770,10 +819,10 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
         offloader = Offloader(self.config, self.layout, pool, events=self._events_enabled)
         held = sum(t.capacity_blocks for t in offloader.stats)
         book = _EventBook(enabled=self._events_enabled, cap=min(held, MAX_EVENT_HASHES))
-        shared = _Shared(offloader, book)
-        shared.server = _BooksServer(shared, self.engine_id)
+        shared = _Shared(offloader, book, self.layout.fingerprint)
+        shared.server = _BooksServer(shared, self.engine_id, self.rank)
         with _REGISTRY_LOCK:
-            _REGISTRY[self.engine_id] = shared
+            _REGISTRY[self._slot] = shared
         logger.info(
             "kvoffload: %d tier(s) (%s) for %d GPU blocks of %d bytes",
             len(offloader.tiers),
@@ -828,21 +877,22 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
         for store in meta.stores:
             shared.counters["blocks_submitted_for_store"] += len(store.keys)
             self._ever_stored.add(store.req_id)
+            keys = shared.ns(store.keys)
             if store.hashes:
-                shared.events.remember(store.keys, store.hashes)
-            job = off.submit_store(store.keys, store.block_ids)
+                shared.events.remember(keys, store.hashes)
+            job = off.submit_store(keys, store.block_ids)
             if job is not None:
                 self._store_jobs[job] = store.req_id
                 self._stores_left[store.req_id] = self._stores_left.get(store.req_id, 0) + 1
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         # A preempted request's blocks are about to be reused: finish its stores first.
-        shared = _REGISTRY.get(self.engine_id)
+        shared = _REGISTRY.get(self._slot)
         if self._store_jobs and shared is not None:
             self._collect(shared, shared.offloader.wait(list(self._store_jobs)))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        shared = _REGISTRY.get(self.engine_id)
+        shared = _REGISTRY.get(self._slot)
         if shared is not None:
             self._collect(shared, shared.offloader.get_finished())
         self._finished_waiting.update(r for r in finished_req_ids if r in self._ever_stored)
@@ -867,7 +917,7 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
         """Counts since the previous call (worker side). vLLM asks the scheduler side
         too, and when both share a process it would find the same Offloader: only the
         worker side reports, or every count would be doubled."""
-        shared = _REGISTRY.get(self.engine_id)
+        shared = _REGISTRY.get(self._slot)
         if shared is None or self.role != KVConnectorRole.WORKER:
             return None
         now = _snapshot(shared)
@@ -897,7 +947,7 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
     def get_kv_connector_kv_cache_events(self) -> TieredOffloadKVEvents | None:
         """The tiers' KV events since the previous step (worker side; ``None`` when
         there are none, or events are off). Drains the tiers' records either way."""
-        shared = _REGISTRY.get(self.engine_id)
+        shared = _REGISTRY.get(self._slot)
         if shared is None or self.role != KVConnectorRole.WORKER:
             return None
         events, unknown = shared.events.take(shared.offloader)
@@ -906,14 +956,14 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
-        shared = _REGISTRY.get(self.engine_id)
+        shared = _REGISTRY.get(self._slot)
         if shared is not None:
             shared.counters["load_errors"] += len(errors)
         return errors
 
     def shutdown(self) -> None:
         with _REGISTRY_LOCK:
-            shared = _REGISTRY.pop(self.engine_id, None)
+            shared = _REGISTRY.pop(self._slot, None)
         if shared is not None:
             if shared.server is not None:
                 shared.server.close()

@@ -42,6 +42,7 @@ def _run_engine(
     rounds: list[list[list[int]]],
     max_tokens: int = 8,
     single_process: bool = False,
+    env_extra: dict[str, str] | None = None,
     **engine: Any,
 ) -> tuple[Any, subprocess.CompletedProcess[str]]:
     """Run one engine over ``rounds`` of prompts: its JSON result (``None`` when it
@@ -63,6 +64,7 @@ def _run_engine(
     # vLLM's default runs the worker in its own process, and the scheduler side then
     # asks it over a socket; single-process mode lets the test read the counters.
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if single_process else "1"
+    env.update(env_extra or {})
     proc = subprocess.run(
         [sys.executable, str(HERE / "engine_run.py"), str(spec)],
         capture_output=True,
@@ -160,12 +162,19 @@ def test_corrupt_disk_block_is_recomputed_not_served(tmp_path: Path, reference: 
         byte = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([byte[0] ^ 0xFF]))
-    second, proc = _run_engine(tmp_path, {"config": {"tiers": tiers}}, [[_prompt(1)]])
+    # Single-process, so that the connector's counters can be read.
+    second, proc = _run_engine(
+        tmp_path, {"config": {"tiers": tiers}}, [[_prompt(1)]], single_process=True
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert second is not None
     assert _tokens(second, 0)[0] == _tokens(reference, 0)[0]
     assert "1 of " in proc.stderr
     assert "failed verification" in proc.stderr
+    counters = second["kvoffload"]
+    assert counters["tier.ssd.corrupt_blocks"] == 1, json.dumps(counters)
+    assert counters["load_errors"] > 0  # the bad block and those after it: recomputed
+    assert counters["blocks_loaded"] == 3  # the blocks before it were served
 
 
 def test_preempted_requests_come_back_from_the_tiers(tmp_path: Path) -> None:
@@ -191,3 +200,34 @@ def test_preempted_requests_come_back_from_the_tiers(tmp_path: Path) -> None:
     counters = got["kvoffload"]
     assert counters["blocks_loaded_after_preemption"] > 0, json.dumps(counters)
     assert counters["load_errors"] == 0
+
+
+def test_tensor_parallel_ranks_keep_their_own_shards(tmp_path: Path) -> None:
+    """TP=2: two worker processes, each with its own tiers (``<path>/rank<r>``) holding
+    its half of every block; the scheduler side asks both ranks and loads only what
+    both hold. A repeat is served from the cpu tier, a restart from the disk tier, and
+    outputs equal those of the same engine without the connector."""
+    tiers = [
+        {"name": "cpu", "backend": "cpu", "capacity": "64MiB"},
+        {"name": "ssd", "backend": "mmap", "capacity": "128MiB", "path": str(tmp_path / "t")},
+    ]
+    conn = {"config": {"tiers": tiers}}
+    rounds = [[_prompt(1)], [_prompt(1)]]
+    # vLLM's CPU workers bind their threads per NUMA node, and this machine has one:
+    # one core per rank, by hand.
+    tp: dict[str, Any] = {
+        "tensor_parallel_size": 2,
+        "env_extra": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+    }
+    ref, proc = _run_engine(tmp_path / "ref", None, rounds, **tp)
+    assert ref is not None, proc.stderr[-3000:]
+    first, proc = _run_engine(tmp_path, conn, rounds, **tp)
+    assert first is not None, proc.stderr[-3000:]
+    assert _tokens(first, 0) == _tokens(ref, 0)
+    assert _tokens(first, 1) == _tokens(ref, 1)
+    assert first["rounds"][1][0]["cached"] == 288
+    assert sorted(p.name for p in (tmp_path / "t").iterdir()) == ["rank0", "rank1"]
+    second, proc = _run_engine(tmp_path, conn, [[_prompt(1)]], **tp)
+    assert second is not None, proc.stderr[-3000:]
+    assert second["rounds"][0][0]["cached"] == 288
+    assert _tokens(second, 0) == _tokens(ref, 0)
