@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import threading
+
 import pytest
 
 pytest.importorskip("vllm")
 
-from kvoffload.connectors.vllm import TieredOffloadConnector, TieredOffloadStats
+from kvoffload.connectors.vllm import (
+    TieredOffloadConnector,
+    TieredOffloadStats,
+    _rank_affinity,
+    rank_cpus,
+)
 
 
 def test_stats_aggregate_by_addition_and_reduce_to_the_sums() -> None:
@@ -46,3 +54,45 @@ def test_token_and_seconds_counters_add_up_too() -> None:
     }
     assert TieredOffloadStats(data={"tier.cpu.read_seconds": 0.0}).is_empty()
     assert not TieredOffloadStats(data={"tier.cpu.read_seconds": 1e-6}).is_empty()
+
+
+@pytest.mark.parametrize(
+    ("environ", "cpus"),
+    [
+        ({"GOMP_CPU_AFFINITY": "0 1 2"}, {0, 1, 2}),
+        ({"GOMP_CPU_AFFINITY": "4-6,9"}, {4, 5, 6, 9}),
+        ({"KMP_AFFINITY": "granularity=fine,explicit,proclist=[2,3]"}, {2, 3}),
+        ({"OMP_PLACES": "{0,1}", "OMP_PROC_BIND": "true"}, {0, 1}),
+        ({}, None),
+    ],
+)
+def test_rank_cpus_reads_what_vllm_set_for_openmp(
+    environ: dict[str, str], cpus: set[int] | None
+) -> None:
+    """vLLM's CPU build binds the worker's main thread to one CPU; the connector starts
+    its threads on the rank's whole OpenMP CPU list, read from these variables."""
+    assert rank_cpus(environ) == cpus
+
+
+def test_threads_made_under_rank_affinity_get_the_ranks_cpus(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The thread that builds the Offloader is bound to one CPU (as vLLM binds its CPU
+    worker's main thread); threads made inside ``_rank_affinity`` run on every CPU of
+    the rank, and the builder's own binding is restored after."""
+    allowed = os.sched_getaffinity(0)
+    monkeypatch.setenv("GOMP_CPU_AFFINITY", " ".join(map(str, sorted(allowed))))
+    seen: dict[str, set[int]] = {}
+
+    def builder() -> None:
+        os.sched_setaffinity(0, {min(allowed)})
+        with _rank_affinity():
+            lane = threading.Thread(target=lambda: seen.update(lane=os.sched_getaffinity(0)))
+            lane.start()
+            lane.join()
+        seen["builder"] = os.sched_getaffinity(0)
+
+    t = threading.Thread(target=builder)
+    t.start()
+    t.join()
+    assert seen == {"lane": allowed, "builder": {min(allowed)}}
