@@ -492,16 +492,22 @@ def rank_cpus(environ: dict[str, str] | os._Environ[str] = os.environ) -> set[in
 
 
 @contextlib.contextmanager
-def _rank_affinity() -> Iterator[None]:
-    """Start the Offloader's threads on all of this rank's CPUs.
+def _rank_affinity(ranks: int = 1) -> Iterator[None]:
+    """Start the Offloader's threads on more than the one CPU vLLM bound us to.
 
     vLLM's CPU build binds the worker's main thread to a single CPU (OpenMP's first),
     and a thread inherits its creator's affinity: built from that thread, every lane
     and I/O thread would share one core with OpenMP thread 0, and a 510 MiB disk load
     ran at 0.33 GB/s where the same code alone reads 0.85. So the calling thread is
-    widened to the rank's CPUs while the threads are made, then restored."""
-    cpus = rank_cpus()
-    if cpus is None or not hasattr(os, "sched_setaffinity"):
+    widened while the threads are made, then restored: with one rank, to every CPU
+    this process may use (the I/O threads mostly wait on the disk; vLLM keeps a core
+    for its scheduler, which idles during the forward pass); with several, to the
+    rank's own OpenMP CPUs, which vLLM chose per NUMA node."""
+    if not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    cpus = set(range(os.cpu_count() or 1)) if ranks == 1 else rank_cpus()
+    if cpus is None:
         yield
         return
     before = os.sched_getaffinity(0)
@@ -862,7 +868,7 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
 
     # -------------------------------------------------------------- worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        with _rank_affinity():
+        with _rank_affinity(self.ranks):
             pool = BlockPool(list(kv_caches.values()))
             offloader = Offloader(self.config, self.layout, pool, events=self._events_enabled)
         held = sum(t.capacity_blocks for t in offloader.stats)

@@ -19,8 +19,9 @@ under ``write_through`` such a block is copied down when its N-th load completes
 Load path (``prepare_load`` then ``submit_load``). The longest prefix held across all
 tiers is found, each block in the fastest tier that holds it ready, and pinned there
 for the whole transfer. Blocks found only in a lower tier are promoted: read into a
-host staging buffer, written into a first-tier slot reserved at planning time, and
-scattered into the target pool blocks with the rest. A block whose checksum, key or
+host staging buffer, scattered into the target pool blocks with the rest, and then
+(after the load has reported, on the first tier's store lane) written into a
+first-tier slot reserved at planning time. A block whose checksum, key or
 layout does not match ends the prefix: it is dropped from its tier and is a miss.
 
 Backpressure. Every tier's store lane is bounded by ``max_pending_stores`` jobs, and
@@ -695,6 +696,7 @@ class Offloader:
         buf = self._buffers.acquire(n) if n else None
         corrupt: dict[int, list[BlockKey]] = {}
         valid = 0
+        handed_on = False
         try:
             if buf is not None:
                 for run in plan.runs:
@@ -711,7 +713,7 @@ class Offloader:
                 if valid:
                     assert self.pool is not None
                     self.pool.scatter(pool_ids[:valid], buf[:valid])
-                self._promote(plan, buf, valid)
+                handed_on = self._promote(plan, buf, valid)
         finally:
             with self._lock:
                 self._loads_active -= 1
@@ -719,15 +721,19 @@ class Offloader:
                 self._settle_load(plan, valid, corrupt)
                 deepest = max((r.tier for r in plan.runs), default=0)
                 self.stats[deepest].load_latency_s.append(time.perf_counter() - submitted)
-            if buf is not None:
+            if buf is not None and not handed_on:
                 self._buffers.release(buf)
         return valid * self.bpb
 
-    def _promote(self, plan: LoadPlan, buf: torch.Tensor, valid: int) -> None:
-        """Write the valid promoted blocks into their reserved first-tier slots (inline,
-        on the load lane: they are in the staging buffer now, and nowhere else fast)."""
+    def _promote(self, plan: LoadPlan, buf: torch.Tensor, valid: int) -> bool:
+        """Queue the write of the valid promoted blocks into their reserved first-tier
+        slots, on the first tier's store lane: the load is done once the blocks are in
+        the pool, and the engine must not wait for a copy it does not need. The blocks
+        are in the staging buffer now and nowhere else fast: when they are its leading
+        rows (all of a load from below, the usual case) the write takes the buffer over
+        (``True``: the caller must not release it); otherwise they are copied out."""
         if not plan.promote_keys:
-            return
+            return False
         pos = {k: i for i, k in enumerate(plan.keys)}
         rows = [pos[k] for k in plan.promote_keys]
         keep = [i for i, r in enumerate(rows) if r < valid]
@@ -738,7 +744,11 @@ class Offloader:
             evicted=plan.promote_evicted,
             submitted=time.perf_counter(),
         )
-        if keep:
+        handed_on = False
+        if keep and [rows[i] for i in keep] == list(range(len(keep))):
+            write.buf = buf[: len(keep)]
+            handed_on = True
+        elif keep:
             write.buf = self._buffers.acquire(len(keep))
             torch.index_select(buf, 0, torch.tensor([rows[i] for i in keep]), out=write.buf)
         kept = set(keep)
@@ -747,7 +757,9 @@ class Offloader:
         with self._lock:
             self.tiers[0].manager.complete_store(dropped, success=False)
             self.stats[0].promotions += len(keep)
-        self._run_write(write)
+        if self._workers[0].submit_store(lambda: self._run_write(write), _ignore_result) is None:
+            self._run_write(write)  # the lane is full or closing: write it here
+        return handed_on
 
     def _settle_load(self, plan: LoadPlan, valid: int, corrupt: dict[int, list[BlockKey]]) -> None:
         """Books for a finished or cancelled load (under the lock): unpin, touch the

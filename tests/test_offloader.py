@@ -141,8 +141,10 @@ def test_block_evicted_from_cpu_loads_from_below_and_is_promoted(
         _assert_pool_holds(pool, first, list(range(8, 16)))
         assert off.stats[lower_tier].hits == 8
         assert off.stats[0].promotions == 8
-        # Promoted: the next load of the same prefix is served by the CPU tier.
+        # Promoted: the next load of the same prefix is served by the CPU tier (the
+        # promotion is written on the CPU tier's store lane, after the load is done).
         assert _held(off, 0, first) == 8
+        assert off.drain()
         assert _load(off, first, list(range(16, 24))) == 8
         _assert_pool_holds(pool, first, list(range(16, 24)))
         assert off.stats[0].hits == 8

@@ -74,19 +74,22 @@ def test_rank_cpus_reads_what_vllm_set_for_openmp(
     assert rank_cpus(environ) == cpus
 
 
-def test_threads_made_under_rank_affinity_get_the_ranks_cpus(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_threads_made_under_rank_affinity_get_more_than_the_bound_cpu(
+    monkeypatch: pytest.MonkeyPatch, ranks: int
 ) -> None:
     """The thread that builds the Offloader is bound to one CPU (as vLLM binds its CPU
-    worker's main thread); threads made inside ``_rank_affinity`` run on every CPU of
-    the rank, and the builder's own binding is restored after."""
+    worker's main thread); threads made inside ``_rank_affinity`` run on every CPU the
+    process may use (one rank) or on the rank's OpenMP CPUs (several), and the
+    builder's own binding is restored after."""
     allowed = os.sched_getaffinity(0)
-    monkeypatch.setenv("GOMP_CPU_AFFINITY", " ".join(map(str, sorted(allowed))))
+    rank_cpus = {max(allowed)} if ranks > 1 else allowed
+    monkeypatch.setenv("GOMP_CPU_AFFINITY", " ".join(map(str, sorted(rank_cpus))))
     seen: dict[str, set[int]] = {}
 
     def builder() -> None:
         os.sched_setaffinity(0, {min(allowed)})
-        with _rank_affinity():
+        with _rank_affinity(ranks):
             lane = threading.Thread(target=lambda: seen.update(lane=os.sched_getaffinity(0)))
             lane.start()
             lane.join()
@@ -95,4 +98,4 @@ def test_threads_made_under_rank_affinity_get_the_ranks_cpus(
     t = threading.Thread(target=builder)
     t.start()
     t.join()
-    assert seen == {"lane": allowed, "builder": {min(allowed)}}
+    assert seen == {"lane": rank_cpus, "builder": {min(allowed)}}
