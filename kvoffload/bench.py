@@ -12,8 +12,9 @@ under the tier's ``path`` (existing data is never touched):
 
 The page cache is dropped before every load measurement when the process may
 (root), with the tier closed and reopened around it, as a restarted engine finds it (a
-tier left open keeps its pages mapped, and mapped pages are not dropped); otherwise a buffered tier's load figure is the page cache's, and the report
-says so. Runs in its own process, not beside an engine.
+tier left open keeps its pages mapped, and mapped pages are not dropped); otherwise a
+buffered tier's load figure is the page cache's, and the report says so. Runs in its
+own process, not beside an engine.
 
 Two parts need no tier of the config and run first, whatever it holds (and alone with
 ``disk=False``), because they are seconds where the disk part is minutes:

@@ -232,6 +232,12 @@ class Runner:
         path = self.work / f"{name}.json"
         path.write_text(json.dumps(spec))
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+        # The same OpenMP threads for every engine. Left to itself, vLLM's CPU build
+        # keeps cores back for its scheduler: one without a KV connector, two with one,
+        # and on a machine of two cores the second case falls back to using both. The
+        # engine without a connector would then prefill on half the threads, and every
+        # ratio to cold would flatter us by about 1.8x.
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
         print(f"bench_vllm: engine {name} ({len(steps)} step(s))", flush=True)
         proc = subprocess.run(
             [sys.executable, __file__, "--phase", str(path)],
