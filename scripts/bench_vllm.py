@@ -96,20 +96,12 @@ def loaded_bytes(n_tokens: int, dtype: str) -> int:
 
 
 # ------------------------------------------------------------- engine phase
-def drop_page_cache() -> bool:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
 def run_phase(spec: dict[str, Any]) -> dict[str, Any]:
     """One engine's life: start it, run ``spec["steps"]``, report timings."""
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
+
+    from kvoffload.bench import drop_page_cache
 
     kwargs: dict[str, Any] = {
         "model": spec["model"],
