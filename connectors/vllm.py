@@ -20,11 +20,20 @@ each. One worker per engine (TP 1) for now.
 - **Keys** are vLLM's own ``request.block_hashes`` (chained, seeded: never rehashed),
   namespaced by the layout fingerprint and the TP rank, so another model's or rank's
   blocks are never read.
-- **Loads** are synchronous within the step (``start_load_kv`` waits for them): the
-  blocks are pinned from planning (``update_state_after_alloc``) to the end of the
-  load. A block that fails verification, or was lost, is reported through
-  ``get_block_ids_with_load_errors`` and vLLM recomputes it (``kv_load_failure_policy``
-  ``recompute``).
+- **Verified hits.** A hit is claimed only for blocks the cpu tier holds verified.
+  The scheduler's lookup (``get_num_new_matched_tokens``) asks the worker to
+  :meth:`~kvoffload.offloader.Offloader.claim` the request's blocks: those only a disk
+  tier holds are prefetched into the cpu tier first (read, checksums verified) and the
+  lookup answers ``None`` ("not decided yet": vLLM asks again next step, and other
+  requests run meanwhile); then it answers the verified prefix, pinned in the cpu tier
+  for the request. A corrupt, lost or unreadable disk block shortens the hit *before*
+  vLLM allocates anything, whatever ``kv_load_failure_policy`` says. A request that
+  ends first (aborted) releases its pins and cancels its prefetches.
+- **Loads** are synchronous within the step (``start_load_kv`` waits for them) and
+  read the cpu tier only. The one failure left is an I/O error there; it is reported
+  through ``get_block_ids_with_load_errors``, and vLLM recomputes the blocks under
+  ``kv_load_failure_policy="recompute"`` or fails the request under ``"fail"``
+  (vLLM's default: the connector warns about it at start).
 - **Stores** are asynchronous: ``wait_for_save`` submits the blocks that became full
   this step and returns; a finished request's GPU blocks are held
   (``request_finished`` -> True) until its stores are done (``get_finished``).
@@ -212,6 +221,14 @@ COUNTERS: Final[dict[str, str]] = {
     "x block size; blocks the tier already held are not written again).",
     "kv_events_dropped": "KV cache events not emitted because the worker did not know the "
     "block's vLLM hash.",
+    "prefetched_blocks": "Blocks prefetched from a disk tier into the cpu tier and verified "
+    "before their hit was claimed.",
+    "prefetch_hits": "Prefetched blocks later loaded into the engine's KV cache.",
+    "prefetch_wasted": "Prefetched blocks that left the cpu tier unloaded, or whose "
+    "prefetch was cancelled (the request was aborted).",
+    "prefetch_failed": "Blocks a prefetch could not bring up (corrupt, unreadable, or no "
+    "room in the cpu tier): the hit ended before them.",
+    "prefetch_seconds": "Seconds spent in prefetch jobs.",
 }
 """Per-engine connector counters (:func:`connector_counters`; name: Prometheus help
 text); the tiers' own counters are in ``Offloader.stats`` (see :data:`TIER_STATS`).
@@ -220,6 +237,14 @@ where the first tier's store jobs complete (``get_finished``), from the bytes ea
 wrote: promotions into the first tier and copies down the chain are not engine stores
 and are counted only in the tiers' ``blocks_stored``."""
 
+PREFETCH_COUNTERS: Final[dict[str, str]] = {
+    "prefetched_blocks": "prefetched",
+    "prefetch_hits": "hits",
+    "prefetch_wasted": "wasted",
+    "prefetch_failed": "failed",
+    "prefetch_seconds": "seconds",
+}
+"""The :data:`COUNTERS` read from the Offloader's ``PrefetchStats`` (by field name)."""
 PROM_PREFIX: Final = "vllm:kvoffload_"
 """Prometheus names: ``vllm:kvoffload_<counter>`` and ``vllm:kvoffload_tier_<counter>``
 (label ``tier``). Counters, so the exposition adds ``_total`` (as for vLLM's own)."""
@@ -361,26 +386,78 @@ class _Shared:
     """This rank's layout fingerprint: every key the scheduler side sends is namespaced
     with it here, so each rank keeps (and finds) its own shard of a block."""
     plans: dict[int, LoadPlan] = field(default_factory=dict)
+    """Loads planned by the scheduler side, by its plan id, until ``start_load_kv``."""
+    holds: dict[str, LoadPlan] = field(default_factory=dict)
+    """Decided claims, by request id: pinned until planned or released."""
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
     server: _BooksServer | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    """Guards ``plans``, ``holds`` and ``counters``: the books server's thread and the
+    worker's thread both use them."""
 
     def ns(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
         """vLLM's block keys as this rank's tiers hold them."""
         return [namespaced(k, self.namespace) for k in keys]
 
-    # The scheduler side's two questions, answered here (in this process, or for a
-    # scheduler in another process through _BooksServer).
-    def lookup(self, keys: list[BlockKey]) -> int:
-        self.counters["lookups"] += 1
-        return self.offloader.lookup(self.ns(keys))
+    def bump(self, name: str, n: int = 1) -> None:
+        with self.lock:
+            self.counters[name] += n
 
-    def plan(self, plan_id: int, keys: list[BlockKey]) -> int:
-        """Plan (and pin) a load under the scheduler's ``plan_id``; its length."""
-        plan = self.offloader.prepare_load(self.ns(keys))
-        with _REGISTRY_LOCK:
-            self.plans[plan_id] = plan
-        self.counters["blocks_planned"] += plan.hits
+    # The scheduler side's three questions, answered here (in this process, or for a
+    # scheduler in another process through _BooksServer).
+    def lookup(self, req_id: str, keys: list[BlockKey]) -> int | None:
+        """The verified hit of ``req_id`` (pinned for it), or ``None`` while its
+        blocks are being prefetched. A new lookup of the same request replaces its
+        earlier hold (vLLM asks again when it could not allocate)."""
+        self.bump("lookups")
+        self._unhold(req_id)
+        plan = self.offloader.claim(req_id, self.ns(keys))
+        if plan is None:
+            return None
+        if plan.hits:
+            with self.lock:
+                self.holds[req_id] = plan
+        else:
+            self.offloader.unclaim(plan)
         return plan.hits
+
+    def plan(self, plan_id: int, req_id: str, start: int, n: int) -> int:
+        """Turn ``req_id``'s hold into the load of its blocks ``[start, start + n)``
+        under the scheduler's ``plan_id``; its length (``n`` unless the hold is gone,
+        which the scheduler never causes)."""
+        with self.lock:
+            hold = self.holds.pop(req_id, None)
+        if hold is None:
+            logger.warning("kvoffload: no claim held for request %s; loading nothing", req_id)
+            plan = LoadPlan([], [], 0)
+        else:
+            plan = self.offloader.narrow(hold, start, start + n)
+        with self.lock:
+            self.plans[plan_id] = plan
+            self.counters["blocks_planned"] += plan.hits
+        return plan.hits
+
+    def release(self, req_id: str) -> int:
+        """Forget ``req_id``'s claim: unpin its hold, cancel its prefetches."""
+        self._unhold(req_id)
+        self.offloader.release(req_id)
+        return 0
+
+    def _unhold(self, req_id: str) -> None:
+        with self.lock:
+            hold = self.holds.pop(req_id, None)
+        if hold is not None:
+            self.offloader.unclaim(hold)
+
+    def answer(self, op: str, arg: Any) -> int | None:
+        """One question from the scheduler side, by name."""
+        if op == "lookup":
+            return self.lookup(*arg)
+        if op == "plan":
+            return self.plan(*arg)
+        if op == "release":
+            return self.release(arg)
+        raise ValueError(f"kvoffload books: unknown question {op!r}")
 
 
 def _address(engine_id: str, rank: int) -> str:
@@ -394,7 +471,8 @@ def _authkey(engine_id: str) -> bytes:
 class _BooksServer:
     """Answers a scheduler in another process (vLLM's default on its CPU build runs the
     worker in its own process): one Unix socket per engine and rank, one thread,
-    requests ``("lookup", keys)`` and ``("plan", (plan_id, keys))`` answered in order.
+    requests ``("lookup", (req_id, keys))``, ``("plan", (plan_id, req_id, start, n))``
+    and ``("release", req_id)`` answered in order.
     Microseconds per call against a step of milliseconds, and the books stay where the
     bytes are."""
 
@@ -419,9 +497,7 @@ class _BooksServer:
                     except (EOFError, OSError):
                         break
                     try:
-                        answer: object = (
-                            self.shared.lookup(arg) if op == "lookup" else self.shared.plan(*arg)
-                        )
+                        answer: object = self.shared.answer(op, arg)
                     except Exception as exc:  # the scheduler re-raises it
                         answer = exc
                     conn.send(answer)
@@ -456,7 +532,8 @@ class _RemoteBooks:
                     ) from None
                 time.sleep(0.05)
 
-    def _ask(self, op: str, arg: object) -> int:
+    def _ask(self, op: str, arg: object) -> int | None:
+        """Every rank's answer: ``None`` if any rank has not decided, else the least."""
         with self.lock:
             for conn in self.conns:
                 conn.send((op, arg))
@@ -464,13 +541,19 @@ class _RemoteBooks:
         for answer in answers:
             if isinstance(answer, Exception):
                 raise answer
+        if any(a is None for a in answers):
+            return None
         return min(int(a) for a in answers)
 
-    def lookup(self, keys: list[BlockKey]) -> int:
-        return self._ask("lookup", keys)
+    def lookup(self, req_id: str, keys: list[BlockKey]) -> int | None:
+        return self._ask("lookup", (req_id, keys))
 
-    def plan(self, plan_id: int, keys: list[BlockKey]) -> int:
-        return self._ask("plan", (plan_id, keys))
+    def plan(self, plan_id: int, req_id: str, start: int, n: int) -> int:
+        return self._ask("plan", (plan_id, req_id, start, n)) or 0
+
+    def release(self, req_id: str) -> int:
+        self._ask("release", req_id)
+        return 0
 
 
 def rank_cpus(environ: dict[str, str] | os._Environ[str] = os.environ) -> set[int] | None:
@@ -526,7 +609,11 @@ def _rank_affinity(ranks: int = 1) -> Iterator[None]:
 def _snapshot(shared: _Shared) -> dict[str, int | float]:
     """One engine's counters now: :data:`COUNTERS`, and :data:`TIER_STATS` per tier as
     ``tier.<name>.<counter>``."""
-    counts: dict[str, int | float] = dict(shared.counters)
+    with shared.lock:
+        counts: dict[str, int | float] = dict(shared.counters)
+    prefetch = shared.offloader.prefetch_stats
+    for name, attr in PREFETCH_COUNTERS.items():
+        counts[name] = getattr(prefetch, attr)
     for t in shared.offloader.stats:
         for name in TIER_STATS:
             counts[f"tier.{t.name}.{name}"] = getattr(t, name)
@@ -538,6 +625,30 @@ def connector_counters() -> dict[str, dict[str, int | float]]:
     since the worker side started."""
     with _REGISTRY_LOCK:
         return {engine_id: _snapshot(shared) for engine_id, shared in _REGISTRY.items()}
+
+
+def connector_health() -> dict[str, dict[str, Any]]:
+    """This process's engines' pins and claims now: ``pinned`` (blocks per tier),
+    ``holds`` (requests with a decided claim not yet loaded), ``prefetches`` (jobs in
+    flight), ``claims`` (requests waiting on prefetches) and ``problems`` (the
+    Offloader's consistency check). All zero and empty when the engine is idle."""
+    with _REGISTRY_LOCK:
+        engines = dict(_REGISTRY)
+    report: dict[str, dict[str, Any]] = {}
+    for engine_id, shared in engines.items():
+        off = shared.offloader
+        prefetches, claims = off.prefetches()
+        with shared.lock:
+            holds, plans = len(shared.holds), len(shared.plans)
+        report[engine_id] = {
+            "pinned": off.pinned(),
+            "holds": holds,
+            "plans": plans,
+            "prefetches": prefetches,
+            "claims": claims,
+            "problems": off.check(),
+        }
+    return report
 
 
 _REGISTRY: dict[str, _Shared] = {}
@@ -668,6 +779,30 @@ def _configured_tiers(vllm_config: VllmConfig) -> list[str]:
     return [t.name for t in config.tiers]
 
 
+def _warn_about_late_failures(config: KVOffloadConfig, transfer: Any) -> None:
+    """Say at start how a request could still fail on a load error.
+
+    Hits are verified before they are claimed, so corrupt or lost disk blocks never
+    reach a load. What is left (an I/O error reading the cpu tier; with a persistent
+    first tier, anything found at load) fails the request under vLLM's default
+    ``kv_load_failure_policy="fail"``: the operator should know the setting."""
+    policy = getattr(transfer, "kv_load_failure_policy", None)
+    first = config.resolved_tiers()[0]
+    if first.backend != "cpu":
+        logger.warning(
+            "kvoffload: the first tier %r is not a cpu tier, so hits are verified only "
+            "when they load; put a cpu tier first for verified hits",
+            first.name,
+        )
+    if policy == "fail":
+        logger.warning(
+            "kvoffload: kv_transfer_config.kv_load_failure_policy = 'fail' (vLLM's "
+            "default): hits are verified before they are claimed, but a late load error "
+            "(an I/O error in the first tier) fails its request; set "
+            "kv_load_failure_policy='recompute' to recompute such blocks instead"
+        )
+
+
 def _events_enabled(vllm_config: VllmConfig) -> bool:
     events = vllm_config.kv_events_config
     return bool(events is not None and events.enable_kv_cache_events)
@@ -684,6 +819,9 @@ class _ReqState:
     had_store: bool = False
     local_tokens: int = 0
     """GPU prefix-cache hit, from the last ``get_num_new_matched_tokens``."""
+    claimed: bool = False
+    """The worker may hold a claim (pins, or prefetches waited for) for this request
+    that neither a plan nor a release has ended yet."""
 
 
 class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM: Any
@@ -720,6 +858,8 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
             # must not share its directory with another's.
             self.config = _per_rank(self.config, self.rank)
         self._events_enabled = _events_enabled(vllm_config)
+        if role == KVConnectorRole.SCHEDULER:
+            _warn_about_late_failures(self.config, transfer)
         # scheduler side
         self._reqs: dict[str, _ReqState] = {}
         self._pending_loads: list[_Load] = []
@@ -776,7 +916,12 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
         state.local_tokens = num_computed_tokens
         if loadable <= start:
             return 0, False
-        hit = self._books().lookup(self._keys(request, loadable))
+        # The worker claims the verified prefix (pinned for this request), after
+        # prefetching what only a disk tier holds; ``None`` until that is done.
+        hit = self._books().lookup(request.request_id, self._keys(request, loadable))
+        state.claimed = True
+        if hit is None:
+            return None, False
         if hit <= start:
             return 0, False
         return hit * self.block_size - num_computed_tokens, False
@@ -786,16 +931,20 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
     ) -> None:
         state = self._reqs.setdefault(request.request_id, _ReqState(request))
         if num_external_tokens <= 0:
+            if state.claimed:  # nothing to load: the claim's pins go
+                self._books().release(request.request_id)
+                state.claimed = False
             return
         start = state.local_tokens // self.block_size
         n = num_external_tokens // self.block_size
         block_ids = list(blocks.get_block_ids()[0])
         # ``blocks`` covers the local hit and the new blocks, from block 0.
         targets = block_ids[start : start + n]
-        keys = self._keys(request, start + n)[start:]
         plan_id = self._next_plan
         self._next_plan += 1
-        self._books().plan(plan_id, keys)
+        # The claim pinned blocks [0, hit); the engine loads [start, start + n).
+        self._books().plan(plan_id, request.request_id, start, n)
+        state.claimed = False
         resumed = request.request_id in self._preempted
         hashes = list(request.block_hashes[start : start + n]) if self._events_enabled else []
         self._pending_loads.append(_Load(request.request_id, plan_id, targets, resumed, hashes))
@@ -841,6 +990,8 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
     ) -> tuple[bool, dict[str, Any] | None]:
         state = self._reqs.pop(request.request_id, None)
         self._preempted.discard(request.request_id)
+        if state is not None and state.claimed:  # ended before its load: aborted
+            self._books().release(request.request_id)
         # Hold the blocks while stores from them may still be running; the worker
         # reports the id once they are done.
         return (state is not None and state.had_store), None
@@ -894,7 +1045,7 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
         off = shared.offloader
         jobs: dict[int, _Load] = {}
         for load in meta.loads:
-            with _REGISTRY_LOCK:
+            with shared.lock:
                 plan = shared.plans.pop(load.plan_id)
             if load.hashes:  # promotions into the first tier are stores too
                 shared.events.remember(plan.keys, load.hashes[: plan.hits])
@@ -902,18 +1053,18 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
             if job is None:
                 self._load_errors.update(load.block_ids)
                 continue
-            # Planned blocks lost between lookup and planning are load errors too.
+            # Claimed blocks are pinned, so a plan is never short; were it, the rest
+            # would be load errors too.
             self._load_errors.update(load.block_ids[plan.hits :])
             jobs[job] = load
-        counters = shared.counters
         for result in off.wait(list(jobs)):
             load = jobs[result.job_id]
             loaded = result.nbytes // off.bpb if result.success else 0
             self._load_errors.update(load.block_ids[loaded:])
-            counters["blocks_loaded"] += loaded
-            counters["tokens_loaded"] += loaded * self.block_size
+            shared.bump("blocks_loaded", loaded)
+            shared.bump("tokens_loaded", loaded * self.block_size)
             if load.resumed:
-                counters["blocks_loaded_after_preemption"] += loaded
+                shared.bump("blocks_loaded_after_preemption", loaded)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -929,7 +1080,7 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
         shared = self._shared()
         off = shared.offloader
         for store in meta.stores:
-            shared.counters["blocks_submitted_for_store"] += len(store.keys)
+            shared.bump("blocks_submitted_for_store", len(store.keys))
             self._ever_stored.add(store.req_id)
             keys = shared.ns(store.keys)
             if store.hashes:
@@ -962,7 +1113,7 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
             req_id = self._store_jobs.pop(result.job_id, None)
             if req_id is not None:
                 if result.success:
-                    shared.counters["tokens_stored"] += result.nbytes // bpb * self.block_size
+                    shared.bump("tokens_stored", result.nbytes // bpb * self.block_size)
                 self._stores_left[req_id] -= 1
                 if self._stores_left[req_id] == 0:
                     del self._stores_left[req_id]
@@ -1005,14 +1156,14 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
         if shared is None or self.role != KVConnectorRole.WORKER:
             return None
         events, unknown = shared.events.take(shared.offloader)
-        shared.counters["kv_events_dropped"] += unknown
+        shared.bump("kv_events_dropped", unknown)
         return TieredOffloadKVEvents(events) if events else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         shared = _REGISTRY.get(self._slot)
         if shared is not None:
-            shared.counters["load_errors"] += len(errors)
+            shared.bump("load_errors", len(errors))
         return errors
 
     def shutdown(self) -> None:

@@ -371,6 +371,10 @@ class KVOffloadConfig(BaseModel):
     longest prefix."""
     eviction: Literal["lru", "arc"] = "lru"
     """Eviction policy of every tier's manager."""
+    prefetch_max_inflight: ByteSize = 256 * 1024**2
+    """Most bytes of lower-tier blocks being prefetched into the first tier at once
+    (each reserves a first-tier slot until verified); also capped at half the first
+    tier. A claim that needs more waits for earlier prefetches to land."""
     stress: StressConfig = StressConfig()
     """Defaults for ``kvoffload stress``."""
 

@@ -51,6 +51,10 @@ class LRUOffloadingManager(OffloadingManager):
     def state(self, key: BlockKey) -> BlockState | None:
         return self.policy.get(key)
 
+    def pinned(self) -> int:
+        """Blocks pinned by loads now (``ref_cnt > 0``); O(blocks), for health checks."""
+        return sum(1 for _, state in self.policy.items() if state.ref_cnt > 0)
+
     # -- load path ----------------------------------------------------------------
     def lookup(self, keys: Sequence[BlockKey]) -> int:
         get = self.policy.get

@@ -42,7 +42,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -107,6 +107,44 @@ class TierStats:
     """Submit-to-done time of store jobs into this tier."""
     load_latency_s: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_SAMPLES))
     """Submit-to-done time of loads whose slowest tier was this one."""
+
+
+@dataclass
+class PrefetchStats:
+    """Counters of the prefetches that :meth:`Offloader.claim` runs (read under the
+    Offloader's lock)."""
+
+    prefetched: int = 0
+    """Blocks read from a lower tier, verified, and written into the first tier."""
+    hits: int = 0
+    """Prefetched blocks later loaded into the engine."""
+    wasted: int = 0
+    """Prefetched blocks that left the first tier unloaded, and blocks of prefetches
+    cancelled before they ran."""
+    failed: int = 0
+    """Blocks a prefetch could not bring up: corrupt (also counted in the tier's
+    ``corrupt_blocks``), unreadable, or no room in the first tier."""
+    seconds: float = 0.0
+    """Wall time of prefetch jobs, from start to verified landing."""
+
+
+@dataclass(eq=False)
+class _Prefetch:
+    """One prefetch job: a run of blocks copied from a lower tier into first-tier
+    slots reserved for them, verified on the way (the write's source read)."""
+
+    write: _Write
+    waiters: set[Hashable] = field(default_factory=set)
+    started: bool = False
+    done: bool = False
+
+
+@dataclass
+class _Claim:
+    """An owner (a request) whose claim waits for prefetches."""
+
+    waits: list[_Prefetch] = field(default_factory=list)
+    rounds: int = 0
 
 
 @dataclass(slots=True)
@@ -231,6 +269,15 @@ class Offloader:
         self._buffers = _Buffers(self.bpb, pin_memory=torch.cuda.is_available())
         self._job_seconds = [0.0] * len(self.tiers)  # moving average per store job
         self._closed = False
+        # Prefetches (see ``claim``): keys in flight to the first tier, owners waiting,
+        # and keys prefetched but not loaded yet (for the hit / wasted counts).
+        self._inflight: dict[BlockKey, _Prefetch] = {}
+        self._claims: dict[Hashable, _Claim] = {}
+        self._prefetched: OrderedDict[BlockKey, None] = OrderedDict()
+        self._prefetch_blocks = 0
+        first = self.tiers[0].manager.capacity
+        self._prefetch_budget = max(1, min(config.prefetch_max_inflight // self.bpb, first // 2))
+        self.prefetch_stats = PrefetchStats()
         self.stats = [
             TierStats(
                 t.name,
@@ -280,6 +327,7 @@ class Offloader:
                 stats.rejected_stores += len(keys)
                 return None
             stats.evictions += len(out.evicted)
+            self._left_first_tier(out.evicted)
             row = {k: i for i, k in enumerate(keys)}
             write = _Write(
                 0,
@@ -317,6 +365,7 @@ class Offloader:
                     plan.promote_keys, plan.promote_slots = out.keys_to_store, out.slots
                     plan.promote_evicted = list(zip(out.evicted, out.evicted_slots, strict=True))
                     self.stats[0].evictions += len(out.evicted)
+                    self._left_first_tier(out.evicted)
             return plan
 
     def submit_load(self, plan: LoadPlan, pool_ids: Sequence[int]) -> int | None:
@@ -344,6 +393,100 @@ class Offloader:
         with self._lock:
             if not plan.settled:
                 self._settle_load(plan, valid=0, corrupt={})
+
+    # -- verified claims: prefetch into the first tier, then pin -----------------------
+    def claim(self, owner: Hashable, keys: Sequence[BlockKey]) -> LoadPlan | None:
+        """Claim the longest prefix of ``keys`` that the first tier holds verified.
+
+        Blocks of the prefix that only a lower tier holds are first *prefetched*: read,
+        checked (checksum, key, layout) and written into first-tier slots, on that
+        tier's load lane. While any of them is in flight this returns ``None`` ("not
+        decided yet": ask again later, as vLLM's asynchronous lookup does); then it
+        returns a plan pinned in the first tier only, whose load is a memory copy that
+        cannot meet a corrupt disk block. A corrupt, lost or unreadable block ends the
+        prefix before anyone has allocated for it. Several owners asking for the same
+        blocks share one prefetch. Every owner must end with :meth:`release` (which
+        also cancels prefetches nobody else waits for) and every returned plan with
+        :meth:`submit_load`, :meth:`narrow` or :meth:`unclaim`.
+
+        Prefetches are bounded by ``prefetch_max_inflight`` (and half the first tier):
+        a claim that needs more waits for earlier ones to land. A claim settles after
+        at most ``2 + len(keys) / budget`` prefetch rounds, whatever happens to the
+        blocks meanwhile. With a persistent first tier there is nothing to prefetch
+        into: the first tier's prefix is pinned as it is and verified at load."""
+        with self._lock:
+            cl = self._claims.get(owner)
+            if cl is not None and any(not p.done for p in cl.waits):
+                return None
+            if cl is None:
+                cl = self._claims[owner] = _Claim()
+            cl.waits = []
+            first = self.tiers[0].manager
+            ready = first.lookup(keys)
+            max_rounds = 2 + -(-len(keys) // self._prefetch_budget)
+            below = len(self.tiers) > 1 and not self.tiers[0].backend.persistent
+            if below and cl.rounds < max_rounds:
+                waits, started, starved = self._start_prefetches(keys, ready)
+                if started:
+                    cl.rounds += 1
+                if waits or starved:
+                    cl.waits = waits
+                    for p in waits:
+                        p.waiters.add(owner)
+                    return None
+            del self._claims[owner]
+            slots = first.prepare_load(keys[:ready])
+            runs = [_Run(0, 0, ready, slots)] if ready else []
+            return LoadPlan(list(keys[:ready]), runs, len(keys))
+
+    def narrow(self, plan: LoadPlan, start: int, stop: int) -> LoadPlan:
+        """A plan for ``plan.keys[start:stop]`` (pinned), releasing ``plan`` quietly.
+        For a claim of which the engine loads a part (its own cache has the start)."""
+        with self._lock:
+            if plan.settled:
+                raise ValueError("narrow: this plan was already submitted or cancelled")
+            stop = min(stop, plan.hits)
+            start = min(max(0, start), stop)
+            keys = plan.keys[start:stop]
+            part = LoadPlan(keys, [], len(keys))
+            for run in plan.runs:
+                lo, hi = max(run.start, start), min(run.stop, stop)
+                if lo < hi:
+                    slots = self.tiers[run.tier].manager.prepare_load(plan.keys[lo:hi])
+                    part.runs.append(_Run(run.tier, lo - start, hi - start, slots))
+            self._unpin(plan)
+            return part
+
+    def unclaim(self, plan: LoadPlan) -> None:
+        """Unpin a claimed plan that will not be loaded, counting nothing (no hit, no
+        miss: the engine never asked to load it)."""
+        with self._lock:
+            self._unpin(plan)
+
+    def release(self, owner: Hashable) -> None:
+        """Forget ``owner``'s pending claim; its prefetches that nobody else waits for
+        and that have not started are cancelled (their reserved slots freed)."""
+        with self._lock:
+            cl = self._claims.pop(owner, None)
+            if cl is None:
+                return
+            for p in cl.waits:
+                p.waiters.discard(owner)
+                if not p.waiters and not p.started and not p.done:
+                    p.done = True
+                    self._prefetch_landed(p, [])
+                    self._abort_write(p.write)
+                    self.prefetch_stats.wasted += len(p.write.keys)
+
+    def pinned(self) -> list[int]:
+        """Blocks pinned by loads and claims, per tier (0 everywhere when idle)."""
+        with self._lock:
+            return [t.manager.pinned() for t in self.tiers]
+
+    def prefetches(self) -> tuple[int, int]:
+        """Prefetch jobs in flight, and owners waiting on claims."""
+        with self._lock:
+            return len({id(p) for p in self._inflight.values()}), len(self._claims)
 
     def get_finished(self) -> list[JobResult]:
         """Results of store and load jobs finished since the last call (never blocks)."""
@@ -411,6 +554,107 @@ class Offloader:
             else:
                 break
         return located
+
+    def _start_prefetches(
+        self, keys: Sequence[BlockKey], ready: int
+    ) -> tuple[list[_Prefetch], bool, bool]:
+        """Queue prefetches for the blocks after the first tier's ready prefix that a
+        lower tier holds (under the lock). Returns the prefetches this prefix waits for
+        (new and already in flight), whether any was started, and whether some could
+        not start for want of budget while others are in flight (then: wait too)."""
+        first = self.tiers[0].manager
+        waits: dict[int, _Prefetch] = {}
+        want: list[tuple[int, BlockKey]] = []
+        for key in keys[ready:]:
+            inflight = self._inflight.get(key)
+            if inflight is not None:
+                waits[id(inflight)] = inflight
+                continue
+            state = first.state(key)
+            if state is not None:
+                if state.ref_cnt >= 0:
+                    continue  # ready up top already
+                break  # being written by a store: not claimable yet
+            below = next(
+                (
+                    t
+                    for t in range(1, len(self.tiers))
+                    if (s := self.tiers[t].manager.state(key)) is not None and s.ref_cnt >= 0
+                ),
+                None,
+            )
+            if below is None:
+                break
+            want.append((below, key))
+        room = self._prefetch_budget - self._prefetch_blocks
+        starved = len(want) > room and self._prefetch_blocks > 0
+        want = want[: max(0, room)]
+        started = False
+        i = 0
+        while i < len(want):  # one job per run of consecutive blocks from one tier
+            t = want[i][0]
+            j = i
+            while j < len(want) and want[j][0] == t:
+                j += 1
+            p = self._prefetch(t, [k for _, k in want[i:j]])
+            if p is None:
+                break
+            waits[id(p)] = p
+            started = True
+            i = j
+        return list(waits.values()), started, starved
+
+    def _prefetch(self, t: int, keys: list[BlockKey]) -> _Prefetch | None:
+        """Reserve first-tier slots for ``keys`` (held by tier ``t``), pin them in
+        ``t`` and queue the copy on ``t``'s load lane (under the lock); ``None`` when
+        the first tier has no room or the lane is full."""
+        out = self.tiers[0].manager.prepare_store(keys)
+        if out is None:
+            self.prefetch_stats.failed += len(keys)
+            return None
+        self.stats[0].evictions += len(out.evicted)
+        self._left_first_tier(out.evicted)
+        write = _Write(
+            0,
+            out.keys_to_store,
+            out.slots,
+            src_tier=t,
+            src_slots=self.tiers[t].manager.prepare_load(out.keys_to_store),
+            evicted=list(zip(out.evicted, out.evicted_slots, strict=True)),
+            submitted=time.perf_counter(),
+        )
+        p = _Prefetch(write)
+        job = self._workers[t].submit_load(lambda: self._run_prefetch(p), _ignore_result)
+        if job is None:
+            self._abort_write(write)
+            self.prefetch_stats.failed += len(keys)
+            return None
+        for key in write.keys:
+            self._inflight[key] = p
+        self._prefetch_blocks += len(write.keys)
+        return p
+
+    def _prefetch_landed(self, p: _Prefetch, landed: Sequence[BlockKey]) -> None:
+        """Books for a prefetch that ended (under the lock): out of flight; ``landed``
+        are the keys now ready up top."""
+        for key in p.write.keys:
+            if self._inflight.get(key) is p:
+                del self._inflight[key]
+        self._prefetch_blocks -= len(p.write.keys)
+        for key in landed:
+            self._prefetched[key] = None
+            self._prefetched.move_to_end(key)
+        while len(self._prefetched) > self.tiers[0].manager.capacity:
+            self._prefetched.popitem(last=False)
+
+    def _left_first_tier(self, keys: Iterable[BlockKey]) -> None:
+        """Count prefetched blocks evicted up top before any load used them (under the
+        lock)."""
+        if self._prefetched:
+            for key in keys:
+                if key in self._prefetched:
+                    del self._prefetched[key]
+                    self.prefetch_stats.wasted += 1
 
     def _accepts(self, t: int, n: int) -> bool:
         """Whether tier ``t`` takes a new store job now; counts the drop if not."""
@@ -691,6 +935,35 @@ class Offloader:
             self.tiers[t].drop(free)
         self.stats[t].corrupt_blocks += len(keys)
 
+    def _run_prefetch(self, p: _Prefetch) -> int:
+        """Job body: copy the blocks up (the write reads and verifies its source, drops
+        what is corrupt from it, and makes the rest ready in the first tier)."""
+        with self._lock:
+            if p.done:  # cancelled before it ran
+                return 0
+            p.started = True
+            self._loads_active += 1  # copies into persistent tiers wait for us too
+        t0 = time.perf_counter()
+        nbytes = 0
+        try:
+            nbytes = self._run_write(p.write)
+        finally:
+            with self._lock:
+                self._loads_active -= 1
+                self._loads_done.notify_all()
+                first = self.tiers[0].manager
+                landed = [
+                    k for k in p.write.keys if (s := first.state(k)) is not None and s.ref_cnt >= 0
+                ]
+                p.done = True
+                self._prefetch_landed(p, landed)
+                stats = self.prefetch_stats
+                stats.prefetched += len(landed)
+                self.stats[0].promotions += len(landed)
+                stats.failed += len(p.write.keys) - len(landed)
+                stats.seconds += time.perf_counter() - t0
+        return nbytes
+
     def _run_load(self, plan: LoadPlan, pool_ids: list[int], submitted: float) -> int:
         n = plan.hits
         buf = self._buffers.acquire(n) if n else None
@@ -778,6 +1051,11 @@ class Offloader:
             tier.manager.touch(keys[: max(0, valid - run.start)])
         for t, bad in corrupt.items():
             self._drop_corrupt(t, bad)
+        if self._prefetched:
+            for key in loaded:
+                if key in self._prefetched:
+                    del self._prefetched[key]
+                    self.prefetch_stats.hits += 1
         # Each requested block is a hit in the tier that served it and a miss in every
         # tier above; one not served is a miss in every tier.
         reached = plan.requested
@@ -787,6 +1065,17 @@ class Offloader:
             stats.misses += reached - served
             reached -= served
         self._count_hits(loaded)
+
+    def _unpin(self, plan: LoadPlan) -> None:
+        """Settle a plan without a load (under the lock): unpin, count nothing."""
+        if plan.settled:
+            return
+        plan.settled = True
+        if plan.promote_keys:
+            self.tiers[0].manager.complete_store(plan.promote_keys, success=False)
+            plan.promote_keys = []
+        for run in plan.runs:
+            self.tiers[run.tier].manager.complete_load(plan.keys[run.start : run.stop])
 
     def _count_hits(self, loaded: Sequence[BlockKey]) -> None:
         """Remember load counts for the admission filter; queue write-through copies of

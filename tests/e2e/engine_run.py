@@ -1,4 +1,4 @@
-"""Run a real vLLM engine (CPU build, tiny dummy-weight Llama) and print JSON results.
+"""Run real vLLM engines (CPU build, tiny dummy-weight Llama) and print JSON results.
 
 Used by the end-to-end tests as a subprocess, because vLLM spawns processes and needs
 a ``__main__`` guard. Usage::
@@ -8,14 +8,35 @@ a ``__main__`` guard. Usage::
 SPEC: ``model`` (a directory holding config.json), ``kvoffload`` (the
 ``kv_connector_extra_config``, or null for no connector), ``rounds`` (lists of prompts
 as token-id lists; the prefix cache is reset between rounds), ``max_tokens``, and
-optional ``engine`` (extra ``LLM(...)`` arguments). Prints one JSON line with
-``rounds``: per prompt, its output token ids and ``num_cached_tokens``.
+optional:
+
+- ``engine``: extra ``LLM(...)`` arguments;
+- ``failure_policy``: vLLM's ``kv_load_failure_policy`` (``"fail"`` or
+  ``"recompute"``); left out, it is not passed and vLLM's default (``"fail"``) applies;
+- ``abort``: ``{"prompts": [...], "steps": k, "settle_s": s}``: after the rounds,
+  submit the prompts, step the engine ``k`` times, abort them all, step until the
+  engine is idle, then wait up to ``s`` seconds for the connector to settle
+  (single-process mode: the connector's health is read in this process);
+- ``engines``: a list of overrides of the keys above: one engine after the other in
+  this process (each shut down before the next starts), one result line each. Saves
+  the interpreter's start and vLLM's import (about 12 s of each engine run here).
+
+Prints, per engine, ``E2E-READY <index>`` once it is up, ``E2E-ROUND <index> <round>
+<json>`` as each round finishes (so a test that kills the engine still sees what it
+did), and one ``E2E-RESULT <json>`` line: ``index``, ``rounds`` (per prompt its output
+token ids, ``num_cached_tokens``, ``finish_reason`` and whether it failed), ``failed``
+(how many requests failed), ``error`` (an exception that ended the engine, else
+``null``), and in single-process mode the connector's ``kvoffload`` counters and
+``health``.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
+import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -42,11 +63,102 @@ def write_tiny_llama(directory: Path, **overrides: Any) -> Path:
     return directory
 
 
-def main(spec_path: str) -> None:
+def _emit(tag: str, *parts: Any) -> None:
+    print(" ".join([tag, *(str(p) for p in parts)]), flush=True)
+
+
+def _output(o: Any) -> dict[str, Any]:
+    """One request's outcome. ``failed``: vLLM finished it with an error (a failed KV
+    load under ``kv_load_failure_policy="fail"``), or it never finished."""
+    completion = o.outputs[0] if o.outputs else None
+    reason = None if completion is None else completion.finish_reason
+    error = getattr(o, "error", None)
+    return {
+        "tokens": [] if completion is None else list(completion.token_ids),
+        "cached": o.num_cached_tokens or 0,
+        "finish_reason": None if reason is None else str(reason),
+        "error": None if error is None else repr(error),
+        "failed": bool(not o.finished or reason == "error" or error is not None),
+    }
+
+
+def _connector_state(engine_id: str | None) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """This engine's connector counters and health, when its worker side runs in this
+    process (single-process mode); ``({}, None)`` otherwise."""
+    import kvoffload.connectors.vllm as conn
+
+    counters_by_engine = conn.connector_counters()
+    counters = counters_by_engine.get(engine_id or "", {})
+    health_fn = getattr(conn, "connector_health", None)
+    health = None
+    if health_fn is not None:
+        try:
+            health = health_fn().get(engine_id or "")
+        except Exception:  # noqa: BLE001 - reported, not fatal
+            health = {"error": traceback.format_exc()}
+    return counters, health
+
+
+def _settled(health: dict[str, Any] | None) -> bool:
+    if health is None or "error" in health:
+        return True  # nothing more to wait for
+    counts = [v for k, v in health.items() if k not in ("pinned", "problems")]
+    return not any(health.get("pinned", [])) and not any(counts) and not health.get("problems")
+
+
+def _core_busy(llm: Any) -> bool:
+    """Whether the engine core still has work: requests, or finished ones whose blocks
+    the connector holds (single-process mode; else what the front end knows)."""
+    engine = llm.llm_engine
+    core = getattr(getattr(engine, "engine_core", None), "engine_core", None)
+    scheduler = getattr(core, "scheduler", None)
+    if scheduler is not None:
+        return bool(scheduler.has_requests())
+    return bool(engine.has_unfinished_requests())
+
+
+def _abort_run(llm: Any, params: Any, spec: dict[str, Any], engine_id: str | None) -> Any:
+    """Submit, step a little, abort everything, step until idle; what the connector
+    looked like on the way."""
+    engine = llm.llm_engine
+    prompts = spec["prompts"]
+    ids = llm.enqueue([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    finished_before = 0
+    for _ in range(spec.get("steps", 1)):
+        finished_before += sum(1 for o in engine.step() if o.finished)
+    _, before = _connector_state(engine_id)
+    # ``enqueue`` returns the engine's own (internal) request ids.
+    engine.abort_request(list(ids), internal=True)
+    steps = 0
+    t0 = time.monotonic()
+    while _core_busy(llm) and steps < 10_000:
+        engine.step()
+        steps += 1
+    idle_s = time.monotonic() - t0
+    counters, at_idle = _connector_state(engine_id)
+    health = at_idle
+    deadline = time.monotonic() + spec.get("settle_s", 10.0)
+    while not _settled(health) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        counters, health = _connector_state(engine_id)
+    return {
+        "submitted": len(ids),
+        "finished_before_abort": finished_before,
+        "steps_to_idle": steps,
+        "seconds_to_idle": idle_s,
+        "unfinished_after": engine.get_num_unfinished_requests(),
+        "health_before_abort": before,
+        "health_at_idle": at_idle,
+        "health": health,
+        "settle_seconds": time.monotonic() - t0 - idle_s,
+        "counters": counters,
+    }
+
+
+def run_engine(spec: dict[str, Any], index: int) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    spec = json.loads(Path(spec_path).read_text())
     kwargs: dict[str, Any] = {
         "model": spec["model"],
         "load_format": "dummy",
@@ -59,33 +171,67 @@ def main(spec_path: str) -> None:
         **spec.get("engine", {}),
     }
     if spec.get("kvoffload") is not None:
-        kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="TieredOffloadConnector",
-            kv_connector_module_path="kvoffload.connectors.vllm",
-            kv_role="kv_both",
-            kv_connector_extra_config=spec["kvoffload"],
-            kv_load_failure_policy="recompute",
-        )
+        transfer: dict[str, Any] = {
+            "kv_connector": "TieredOffloadConnector",
+            "kv_connector_module_path": "kvoffload.connectors.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": spec["kvoffload"],
+        }
+        if spec.get("failure_policy") is not None:
+            transfer["kv_load_failure_policy"] = spec["failure_policy"]
+        kwargs["kv_transfer_config"] = KVTransferConfig(**transfer)
+    result: dict[str, Any] = {"index": index, "rounds": [], "failed": 0, "error": None}
+    t0 = time.monotonic()
     llm = LLM(**kwargs)
-    params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8))
-    rounds = []
-    for prompts in spec["rounds"]:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        rounds.append(
-            [
-                {"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens or 0}
-                for o in outs
-            ]
+    try:
+        result["start_seconds"] = time.monotonic() - t0
+        transfer_config = llm.llm_engine.vllm_config.kv_transfer_config
+        engine_id = None if transfer_config is None else str(transfer_config.engine_id)
+        _emit("E2E-READY", index)
+        params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8))
+        for r, prompts in enumerate(spec["rounds"]):
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            done = [_output(o) for o in outs]
+            result["rounds"].append(done)
+            result["failed"] += sum(o["failed"] for o in done)
+            _emit("E2E-ROUND", index, r, json.dumps(done))
+            llm.reset_prefix_cache()
+        if spec.get("abort") is not None:
+            result["abort"] = _abort_run(llm, params, spec["abort"], engine_id)
+        result["kvoffload"], result["health"] = (
+            _connector_state(engine_id) if spec.get("kvoffload") is not None else ({}, None)
         )
-        llm.reset_prefix_cache()
-    counters: dict[str, Any] = {}
-    if spec.get("kvoffload") is not None:
-        # Single-process mode: the connector's worker side lives in this process.
-        from kvoffload.connectors.vllm import connector_counters
+    except Exception:  # noqa: BLE001 - the test reports it
+        result["error"] = traceback.format_exc()
+    finally:
+        t1 = time.monotonic()
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        result["shutdown_seconds"] = time.monotonic() - t1
+    result["seconds"] = time.monotonic() - t0
+    return result
 
-        counters = next(iter(connector_counters().values()), {})
-    print("E2E-RESULT " + json.dumps({"rounds": rounds, "kvoffload": counters}), flush=True)
+
+def main(spec_path: str) -> int:
+    spec = json.loads(Path(spec_path).read_text())
+    engines = spec.pop("engines", None) or [{}]
+    status = 0
+    for index, overrides in enumerate(engines):
+        try:
+            result = run_engine({**spec, **overrides}, index)
+        except Exception:  # noqa: BLE001 - the engine did not start; reported below
+            result = {"index": index, "rounds": [], "failed": 0, "error": traceback.format_exc()}
+        if result["error"] is None:
+            print("E2E-RESULT " + json.dumps(result), flush=True)
+        else:
+            # No result line for an engine that failed; the traceback goes to stderr
+            # and the exit status says so, as an uncaught exception would.
+            print("E2E-FAILED " + json.dumps(result), flush=True)
+            print(result["error"], file=sys.stderr, flush=True)
+            status = 1
+    return status
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    sys.exit(main(sys.argv[1]))

@@ -1,14 +1,23 @@
-"""A third-party backend for tests: blocks kept as ``bytes`` in a dict."""
+"""Third-party backends for tests.
+
+- ``memdict``: blocks kept as ``bytes`` in a dict;
+- ``flakycpu``: the built-in cpu tier, with read failures injected on purpose (an I/O
+  error where the engine loads from), for the end-to-end tests of the late load path.
+"""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 from pydantic import Field
 
 from kvoffload.backend import Backend
-from kvoffload.config import TierConfig
+from kvoffload.backends.cpu import CPUBackend
+from kvoffload.config import CPUTierConfig, TierConfig
+from kvoffload.exceptions import BackendError
 from kvoffload.keys import BlockKey
 from kvoffload.layout import KVLayout
 
@@ -44,3 +53,45 @@ class DictBackend(Backend):
                 dst[i].copy_(torch.frombuffer(bytearray(entry[1]), dtype=torch.uint8))
             valid.append(ok)
         return valid
+
+
+class FlakyCPUTierConfig(CPUTierConfig):
+    """The cpu tier's settings, plus which reads fail."""
+
+    # CPUTierConfig pins ``backend`` to "cpu"; this backend registers under its own name.
+    backend: Literal["flakycpu"] = "flakycpu"  # type: ignore[assignment]
+    """Selects this backend."""
+    fail_reads: int = Field(default=0, ge=0)
+    """The first this many non-empty ``read`` calls raise ``BackendError``."""
+    fail_every: int = Field(default=0, ge=0)
+    """After those, every ``fail_every``-th non-empty read call raises too (0: none)."""
+
+
+class FlakyCPUBackend(CPUBackend):
+    """:class:`CPUBackend` whose reads fail as configured; writes always succeed."""
+
+    config_model = FlakyCPUTierConfig
+
+    def __init__(self, config: TierConfig, layout: KVLayout) -> None:
+        super().__init__(config, layout)
+        assert isinstance(config, FlakyCPUTierConfig)
+        self.flaky = config
+        self.reads = 0
+        self.failed_reads = 0
+        self._count_lock = threading.Lock()
+
+    def read(self, slots: Sequence[int], keys: Sequence[BlockKey], dst: torch.Tensor) -> list[bool]:
+        if slots:
+            with self._count_lock:
+                self.reads += 1
+                n = self.reads
+                fail = n <= self.flaky.fail_reads or (
+                    self.flaky.fail_every > 0
+                    and (n - self.flaky.fail_reads) % self.flaky.fail_every == 0
+                )
+                self.failed_reads += fail
+            if fail:
+                raise BackendError(
+                    f"tier {self.name!r}: injected read failure (read {n} of {len(slots)} blocks)"
+                )
+        return super().read(slots, keys, dst)
