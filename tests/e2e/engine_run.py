@@ -94,7 +94,7 @@ def _connector_state(engine_id: str | None) -> tuple[dict[str, Any], dict[str, A
     if health_fn is not None:
         try:
             health = health_fn().get(engine_id or "")
-        except Exception:  # noqa: BLE001 - reported, not fatal
+        except Exception:
             health = {"error": traceback.format_exc()}
     return counters, health
 
@@ -201,7 +201,7 @@ def run_engine(spec: dict[str, Any], index: int) -> dict[str, Any]:
         result["kvoffload"], result["health"] = (
             _connector_state(engine_id) if spec.get("kvoffload") is not None else ({}, None)
         )
-    except Exception:  # noqa: BLE001 - the test reports it
+    except Exception:
         result["error"] = traceback.format_exc()
     finally:
         t1 = time.monotonic()
@@ -220,7 +220,7 @@ def main(spec_path: str) -> int:
     for index, overrides in enumerate(engines):
         try:
             result = run_engine({**spec, **overrides}, index)
-        except Exception:  # noqa: BLE001 - the engine did not start; reported below
+        except Exception:
             result = {"index": index, "rounds": [], "failed": 0, "error": traceback.format_exc()}
         if result["error"] is None:
             print("E2E-RESULT " + json.dumps(result), flush=True)

@@ -12,10 +12,10 @@ from collections.abc import Sequence
 from typing import Literal
 
 import torch
+from kvoffload.backends.cpu import CPUBackend
 from pydantic import Field
 
 from kvoffload.backend import Backend
-from kvoffload.backends.cpu import CPUBackend
 from kvoffload.config import CPUTierConfig, TierConfig
 from kvoffload.exceptions import BackendError
 from kvoffload.keys import BlockKey
