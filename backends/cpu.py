@@ -112,6 +112,11 @@ class CPUBackend(Backend):
         # the slot holds ``keys[i]``.
         return [True] * len(slots)
 
+    def rows(self, start: int, n: int) -> torch.Tensor | None:
+        if start < 0 or n < 0 or start + n > self.num_slots:
+            raise IndexError(f"tier {self.name!r}: slots must be in 0..{self.num_slots - 1}")
+        return self.slab[start : start + n]
+
     def _index(self, slots: Sequence[int]) -> torch.Tensor:
         index = torch.tensor(slots, dtype=torch.int64)
         # np.take(mode="clip") of the queue read would clamp a bad slot silently.

@@ -107,6 +107,14 @@ class Backend(ABC):
         ``False`` where the slot does not hold ``keys[i]`` under this layout intact
         (the row's contents are then undefined and must be treated as a miss)."""
 
+    def rows(self, start: int, n: int) -> torch.Tensor | None:
+        """Slots ``start .. start + n - 1`` as a zero-copy ``uint8 [n, bytes_per_block]``
+        view, where the medium is plain addressable memory (the ``cpu`` slab); ``None``
+        otherwise (the default). A load then copies straight from the tier into the
+        engine's blocks, with no staging copy in between; the slots are pinned for it,
+        so nothing writes them meanwhile."""
+        return None
+
     @classmethod
     def existing_config(cls, config: TierConfig, *, write: bool) -> TierConfig | None:
         """The config that opens the tier already at ``config``'s location exactly as it

@@ -66,6 +66,10 @@ LOAD_PRIORITY_WAIT_S: Final = 0.02
 HIT_COUNTS: Final = 1 << 20
 """Keys whose load count the admission filter remembers (least recent forgotten)."""
 MAX_INFLIGHT_LOADS: Final = 64
+DIRECT_MIN_BYTES: Final = 1 << 20
+"""Blocks from this size up are copied from a memory tier into the pool group by group
+of consecutive slots however scattered; smaller ones only when the groups are few
+(one call per group costs tens of microseconds)."""
 COPY_THREADS: Final = 2
 """Threads draining a lower tier's store lane. Its jobs are independent copies into
 distinct slots, so two may run at once: one's fdatasync and bookkeeping overlap the
@@ -966,27 +970,42 @@ class Offloader:
 
     def _run_load(self, plan: LoadPlan, pool_ids: list[int], submitted: float) -> int:
         n = plan.hits
-        buf = self._buffers.acquire(n) if n else None
+        direct = [self._direct(run) for run in plan.runs]
+        in_buf = [False] * n  # positions read into the staging buffer
+        for run, groups in zip(plan.runs, direct, strict=True):
+            if groups is None:
+                in_buf[run.start : run.stop] = [True] * (run.stop - run.start)
+        buf = self._buffers.acquire(n) if any(in_buf) else None
         corrupt: dict[int, list[BlockKey]] = {}
         valid = 0
         handed_on = False
+        pool = self.pool
+        assert pool is not None or not n
         try:
-            if buf is not None:
-                for run in plan.runs:
+            if n:
+                for run, groups in zip(plan.runs, direct, strict=True):
                     keys = plan.keys[run.start : run.stop]
+                    if groups is not None:  # one copy: the tier's memory -> the pool
+                        if not self._scatter_direct(run, groups, pool_ids):
+                            break
+                        valid = run.stop
+                        continue
+                    assert buf is not None
                     part = self._read(run.tier, run.slots, keys, buf[run.start : run.stop])
                     if part is None:
                         break  # an I/O error: the prefix ends here
                     bad = [k for k, good in zip(keys, part, strict=True) if not good]
+                    good_stop = run.start + part.index(False) if bad else run.stop
+                    if good_stop > run.start:
+                        assert pool is not None
+                        lo, hi = run.start, good_stop
+                        pool.scatter(pool_ids[lo:hi], buf[lo:hi])
+                    valid = good_stop
                     if bad:
                         corrupt.setdefault(run.tier, []).extend(bad)
-                        valid = run.start + part.index(False)
                         break
-                    valid = run.stop
-                if valid:
-                    assert self.pool is not None
-                    self.pool.scatter(pool_ids[:valid], buf[:valid])
-                handed_on = self._promote(plan, buf, valid)
+                if buf is not None:
+                    handed_on = self._promote(plan, buf, valid, in_buf)
         finally:
             with self._lock:
                 self._loads_active -= 1
@@ -998,7 +1017,51 @@ class Offloader:
                 self._buffers.release(buf)
         return valid * self.bpb
 
-    def _promote(self, plan: LoadPlan, buf: torch.Tensor, valid: int) -> bool:
+    def _direct(self, run: _Run) -> list[tuple[int, int, int]] | None:
+        """How to copy ``run`` straight from its tier's memory into the pool: groups of
+        (position in the plan, first slot, count) of consecutive slots; ``None`` when
+        the tier is not addressable memory, or its slots are so scattered that per-group
+        calls would cost more than one staging copy (small blocks only)."""
+        backend = self.tiers[run.tier].backend
+        if not run.slots or backend.rows(run.slots[0], 1) is None:
+            return None
+        groups: list[tuple[int, int, int]] = []
+        for i, slot in enumerate(run.slots):
+            if groups and slot == groups[-1][1] + groups[-1][2]:
+                pos, first, count = groups[-1]
+                groups[-1] = (pos, first, count + 1)
+            else:
+                groups.append((run.start + i, slot, 1))
+        if self.bpb < DIRECT_MIN_BYTES and len(groups) > max(1, len(run.slots) // 8):
+            return None
+        return groups
+
+    def _scatter_direct(
+        self, run: _Run, groups: list[tuple[int, int, int]], pool_ids: list[int]
+    ) -> bool:
+        """Copy ``run``'s slots into the pool, group by group; ``False`` on an error
+        (the prefix ends before this run, as after an I/O error)."""
+        assert self.pool is not None
+        tier = self.tiers[run.tier]
+        t0 = time.perf_counter()
+        try:
+            for pos, first, count in groups:
+                src = tier.backend.rows(first, count)
+                assert src is not None
+                self.pool.scatter(pool_ids[pos : pos + count], src)
+        except (BackendError, RuntimeError, IndexError) as exc:
+            logger.warning(
+                "tier %s: load of %d blocks failed (%s); a miss", tier.name, len(run.slots), exc
+            )
+            return False
+        seconds = time.perf_counter() - t0
+        with self._lock:
+            stats = self.stats[run.tier]
+            stats.read_seconds += seconds
+            stats.bytes_read += len(run.slots) * self.bpb
+        return True
+
+    def _promote(self, plan: LoadPlan, buf: torch.Tensor, valid: int, in_buf: list[bool]) -> bool:
         """Queue the write of the valid promoted blocks into their reserved first-tier
         slots, on the first tier's store lane: the load is done once the blocks are in
         the pool, and the engine must not wait for a copy it does not need. The blocks
@@ -1009,7 +1072,10 @@ class Offloader:
             return False
         pos = {k: i for i, k in enumerate(plan.keys)}
         rows = [pos[k] for k in plan.promote_keys]
-        keep = [i for i, r in enumerate(rows) if r < valid]
+        # Only blocks that went through the buffer can be written from it: one copied
+        # straight from a memory tier into the pool is not promoted (it is fast where
+        # it is).
+        keep = [i for i, r in enumerate(rows) if r < valid and in_buf[r]]
         write = _Write(
             0,
             [plan.promote_keys[i] for i in keep],

@@ -40,7 +40,11 @@ def _tier(body: str, name: str = "fast") -> str:
 BAD_CONFIGS = [
     pytest.param(
         "version: 1\ncolour: red\n",
-        ("colour", "unknown key", "allowed keys: version, tiers, eviction, prefetch_max_inflight, stress"),
+        (
+            "colour",
+            "unknown key",
+            "allowed keys: version, tiers, eviction, prefetch_max_inflight, stress",
+        ),
         id="unknown-top-level-key",
     ),
     pytest.param(

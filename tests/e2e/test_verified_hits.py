@@ -1,0 +1,547 @@
+"""Issue 10, end to end: a corrupt disk tier must never fail a request.
+
+Disk blocks are prefetched into the cpu tier and verified before the scheduler claims
+a hit, so corruption only ever shortens a hit, under either ``kv_load_failure_policy``
+(vLLM's default ``"fail"`` included). What these tests do on a real engine (CPU build,
+dummy-weight tiny Llama, each engine run in a subprocess via ``engine_run.py``):
+
+- damage a filled ``mmap`` / ``lmdb`` tier at random (5 seeds, bytes flipped across
+  the files: payloads, headers, LMDB pages) and run the same batch under both
+  policies: no failed request, outputs equal to an engine without the connector;
+- an I/O error in the cpu tier at load time, the one late path left (the test
+  plugin's ``flakycpu`` backend): recomputed under ``"recompute"``, a failed request
+  under ``"fail"``;
+- ``kill -9`` of a whole engine process group while it stores, five times: every
+  restart serves outputs equal to the reference, and ``kvoffload verify`` finds
+  nothing it cannot repair;
+- 1000 requests aborted before their load: no pins, holds or prefetches are left.
+
+Several engines may run one after the other in one ``engine_run.py`` process (its
+``engines`` key): each is a fresh ``LLM`` over its own tier directory, and the
+interpreter's start and vLLM's import (about 12 s per engine here) are paid once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm")
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from engine_run import write_tiny_llama  # noqa: E402
+
+from kvoffload.backends.mmap import ALIGN, MmapBackend  # noqa: E402
+from kvoffload.record import HEADER_BYTES, HEADER_DTYPE, MAGIC  # noqa: E402
+
+BLOCK = 32
+MAX_TOKENS = 8
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 1000) for _ in range(n)]
+
+
+# One batch: four prompts sharing an 11-block prefix (distinct suffixes of 2 blocks and
+# a partial one), and one of its own. Its full blocks, stored: 11 + 4 x 2 + 9 = 28.
+PREFIX = _tokens(100, 11 * BLOCK)
+BATCH = [PREFIX + _tokens(101 + i, 70) for i in range(4)] + [_tokens(200, 300)]
+BATCH_BLOCKS = 28
+
+
+# --------------------------------------------------------------------------- running
+def _spec(tmp: Path, **spec: Any) -> Path:
+    model = write_tiny_llama(tmp / "model")
+    path = tmp / f"spec-{len(list(tmp.glob('spec-*')))}.json"
+    full = {"model": str(model), "max_tokens": MAX_TOKENS, "rounds": [], **spec}
+    full["engine"] = {"gpu_memory_utilization": 0.2, **spec.get("engine", {})}
+    path.write_text(json.dumps(full))
+    return path
+
+
+def _env(single_process: bool) -> dict[str, str]:
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    # vLLM's default runs the engine core and its worker in processes of their own;
+    # single-process mode lets engine_run.py read the connector's counters and health.
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if single_process else "1"
+    return env
+
+
+def _lines(stdout: str, tag: str) -> list[Any]:
+    return [
+        json.loads(line.split(" ", 1)[1]) for line in stdout.splitlines() if line.startswith(tag)
+    ]
+
+
+def _run(
+    tmp: Path, *, single_process: bool, timeout: float = 1200, **spec: Any
+) -> list[dict[str, Any]]:
+    """Run ``engine_run.py`` over a spec; the result of every engine, all required to
+    have run without an error."""
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "engine_run.py"), str(_spec(tmp, **spec))],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=_env(single_process),
+        cwd=tmp,
+    )
+    results = _lines(proc.stdout, "E2E-RESULT ")
+    failed = _lines(proc.stdout, "E2E-FAILED ")
+    want = len(spec.get("engines") or [{}])
+    detail = "\n".join(f["error"] for f in failed) or proc.stderr[-4000:]
+    assert proc.returncode == 0 and len(results) == want, (
+        f"exit {proc.returncode}, {len(results)} of {want} engines ran:\n{detail}"
+    )
+    return results
+
+
+def _tiers(disk: str | None, path: Path | None = None, **disk_settings: Any) -> dict[str, Any]:
+    tiers: list[dict[str, Any]] = [{"name": "cpu", "backend": "cpu", "capacity": "64MiB"}]
+    if disk is not None:
+        tiers.append(
+            {
+                "name": "disk",
+                "backend": disk,
+                "capacity": "4MiB",
+                "path": str(path),
+                "write_policy": "write_through",
+                # Room for a whole batch's stores at once: a dropped store would leave
+                # the filled tier short of the blocks the test damages.
+                "max_pending_stores": 256,
+                **disk_settings,
+            }
+        )
+    return {"config": {"tiers": tiers}}
+
+
+def _outputs(result: dict[str, Any], round_: int = 0) -> list[list[int]]:
+    return [r["tokens"] for r in result["rounds"][round_]]
+
+
+def _failures(result: dict[str, Any]) -> list[dict[str, Any]]:
+    return [r for rnd in result["rounds"] for r in rnd if r["failed"]]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
+    """The batch's outputs from an engine without the connector."""
+    (ref,) = _run(
+        tmp_path_factory.mktemp("ref"), single_process=True, kvoffload=None, rounds=[BATCH]
+    )
+    assert ref["failed"] == 0
+    return _outputs(ref)
+
+
+# --------------------------------------------------------------------------- damage
+def _mmap_spots(path: Path, rng: random.Random, spots: int) -> list[int]:
+    """Offsets in a slab file: a third in the used slots' header-table entries, a third
+    in their payloads, a third anywhere from the superblock to the last used slot."""
+    meta = MmapBackend.read_superblock(path)
+    assert meta is not None, path
+    slots, stride, payload = meta["num_slots"], meta["stride"], meta["payload_bytes"]
+    table = (slots * HEADER_BYTES + ALIGN - 1) // ALIGN * ALIGN
+    data = ALIGN + table
+    with open(path, "rb") as f:
+        f.seek(ALIGN)
+        headers = np.frombuffer(f.read(slots * HEADER_BYTES), dtype=HEADER_DTYPE)
+    used = np.flatnonzero(headers["magic"] == MAGIC).tolist()
+    if not used:
+        return []
+    end = data + (max(used) + 1) * stride
+    out: set[int] = set()
+    while len(out) < spots:
+        kind = len(out) % 3
+        slot = rng.choice(used)
+        if kind == 0:
+            out.add(ALIGN + slot * HEADER_BYTES + rng.randrange(HEADER_BYTES))
+        elif kind == 1:
+            out.add(data + slot * stride + rng.randrange(payload))
+        else:
+            out.add(rng.randrange(end))
+    return sorted(out)
+
+
+def _lmdb_used_bytes(directory: Path) -> int:
+    """Bytes of data.mdb LMDB has used (its pages up to the last one in use); the rest
+    of the file is the map's unwritten tail."""
+    import lmdb
+
+    env = lmdb.open(str(directory), readonly=True, lock=False, max_dbs=2, map_size=0)
+    try:
+        return (int(env.info()["last_pgno"]) + 1) * int(env.stat()["psize"])
+    finally:
+        env.close()
+
+
+def _damage(directory: Path, backend: str, seed: int, spots: int = 64) -> dict[str, int]:
+    """Flip one byte (XOR a random non-zero value) at ``spots`` distinct random offsets
+    of each file of the tier; the same seed damages the same way. Returns the number
+    of bytes flipped per file."""
+    rng = random.Random(seed)
+    plan: dict[Path, list[int]] = {}
+    if backend == "mmap":
+        for slab in sorted(directory.glob("slab-*.kvo")):
+            plan[slab] = _mmap_spots(slab, rng, spots)
+    else:
+        data = directory / "data.mdb"
+        used = _lmdb_used_bytes(directory)
+        plan[data] = sorted(rng.sample(range(used), min(spots, used)))
+    for path, offsets in plan.items():
+        with open(path, "r+b") as f:
+            for off in offsets:
+                f.seek(off)
+                byte = f.read(1)[0]
+                f.seek(off)
+                f.write(bytes([byte ^ rng.randrange(1, 256)]))
+    return {p.name: len(o) for p, o in plan.items()}
+
+
+def _held_blocks(directory: Path, backend: str) -> int:
+    """Blocks a filled tier holds, read from its files."""
+    if backend == "mmap":
+        total = 0
+        for slab in directory.glob("slab-*.kvo"):
+            meta = MmapBackend.read_superblock(slab)
+            assert meta is not None
+            with open(slab, "rb") as f:
+                f.seek(ALIGN)
+                raw = f.read(meta["num_slots"] * HEADER_BYTES)
+            total += int((np.frombuffer(raw, dtype=HEADER_DTYPE)["magic"] == MAGIC).sum())
+        return total
+    import lmdb
+
+    env = lmdb.open(str(directory), readonly=True, lock=False, max_dbs=2, map_size=0)
+    try:
+        blocks = env.open_db(b"blocks", create=False)
+        with env.begin(db=blocks) as txn:
+            return int(txn.stat(blocks)["entries"])
+    finally:
+        env.close()
+
+
+# ----------------------------------------------------------------- corruption (issue)
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["mmap", "lmdb"])
+def test_corrupt_disk_tier_never_fails_a_request(
+    tmp_path: Path, reference: list[list[int]], backend: str
+) -> None:
+    """Fill a cpu -> disk (write_through) tier with one batch; then, for 5 seeds, damage
+    a fresh copy of it (64 bytes flipped at random per file) and run the same batch on
+    a new engine over the copy, under both failure policies: ``"fail"`` (vLLM's
+    default; single-process, so the counters show the corruption was met) and
+    ``"recompute"`` (in vLLM's default multi-process mode). Every run: no failed
+    request, outputs equal to the reference."""
+    pristine = tmp_path / "pristine"
+    (fill,) = _run(
+        tmp_path, single_process=True, kvoffload=_tiers(backend, pristine), rounds=[BATCH]
+    )
+    assert _outputs(fill) == reference
+    assert _held_blocks(pristine, backend) == BATCH_BLOCKS
+
+    seeds = range(5)
+    runs: dict[str, list[Path]] = {"fail": [], "recompute": []}
+    flipped = {}
+    for policy, dirs in runs.items():
+        for seed in seeds:
+            copy = tmp_path / f"{policy}-{seed}"
+            shutil.copytree(pristine, copy)
+            flipped[copy.name] = _damage(copy, backend, seed)
+            dirs.append(copy)
+
+    t0 = time.monotonic()
+    failing = _run(
+        tmp_path,
+        single_process=True,
+        rounds=[BATCH],
+        engines=[{"kvoffload": _tiers(backend, d)} for d in runs["fail"]],  # no policy: "fail"
+    )
+    t1 = time.monotonic()
+    recomputing = _run(
+        tmp_path,
+        single_process=False,
+        rounds=[BATCH],
+        failure_policy="recompute",
+        engines=[{"kvoffload": _tiers(backend, d)} for d in runs["recompute"]],
+    )
+    t2 = time.monotonic()
+
+    summary = []
+    for policy, results in (("fail", failing), ("recompute", recomputing)):
+        for seed, result in zip(seeds, results, strict=True):
+            c = result["kvoffload"]
+            summary.append(
+                f"{policy} seed {seed}: flipped {flipped[f'{policy}-{seed}']}, cached "
+                f"{[r['cached'] for r in result['rounds'][0]]}"
+                + (
+                    f", corrupt {c['tier.disk.corrupt_blocks']}, prefetched "
+                    f"{c.get('prefetched_blocks')}, loaded {c['blocks_loaded']}, "
+                    f"load errors {c['load_errors']}"
+                    if c
+                    else ""
+                )
+            )
+    report = "\n".join(summary + [f"fail runs {t1 - t0:.0f} s, recompute runs {t2 - t1:.0f} s"])
+    print(report)
+    for policy, results in (("fail", failing), ("recompute", recomputing)):
+        for seed, result in zip(seeds, results, strict=True):
+            assert result["failed"] == 0, f"{policy} seed {seed}: {_failures(result)}\n{report}"
+            assert _outputs(result) == reference, f"{policy} seed {seed}\n{report}"
+    # The damage must have been met, or this test proved nothing.
+    corrupt = sum(r["kvoffload"]["tier.disk.corrupt_blocks"] for r in failing)
+    assert corrupt > 0, report
+
+
+# ----------------------------------------------------------------- the late path
+@pytest.mark.slow
+def test_cpu_tier_read_error_at_load(tmp_path: Path, reference: list[list[int]]) -> None:
+    """The one way a load can still fail: an I/O error reading the cpu tier (the test
+    plugin's ``flakycpu`` backend fails its first two non-empty reads). The batch runs
+    twice (vLLM's prefix cache reset in between), so the second round loads from the
+    tier. Under ``"recompute"`` the failed blocks are recomputed: outputs equal the
+    reference, no request fails, load errors are counted. Under ``"fail"`` (vLLM's
+    default) the requests whose load failed fail, and only those."""
+    tier = {"name": "cpu", "backend": "flakycpu", "capacity": "64MiB", "fail_reads": 2}
+    conn = {"config": {"tiers": [tier]}}
+    recompute, fail = _run(
+        tmp_path,
+        single_process=True,
+        kvoffload=conn,
+        rounds=[BATCH, BATCH],
+        engines=[{"failure_policy": "recompute"}, {"failure_policy": "fail"}],
+    )
+    c = recompute["kvoffload"]
+    assert _outputs(recompute, 0) == reference
+    assert _outputs(recompute, 1) == reference, json.dumps(c)
+    assert recompute["failed"] == 0, _failures(recompute)
+    assert c["load_errors"] > 0, json.dumps(c)
+    assert c["blocks_loaded"] > 0, json.dumps(c)  # the later reads served their hits
+
+    c = fail["kvoffload"]
+    assert _outputs(fail, 0) == reference  # nothing to load yet: nothing fails
+    assert c["load_errors"] > 0, json.dumps(c)
+    second = fail["rounds"][1]
+    failed = [r for r in second if r["failed"]]
+    assert failed, json.dumps(second)
+    assert all(r["finish_reason"] == "error" for r in failed), json.dumps(failed)
+    for got, want in zip(second, reference, strict=True):
+        if not got["failed"]:
+            assert got["tokens"] == want
+
+
+# ----------------------------------------------------------------- kill -9
+def _group_alive(pgid: int) -> bool:
+    """Whether any process of group ``pgid`` is still running (zombies excepted)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def _verify(tmp: Path, config: Path, *args: str) -> tuple[int, dict[str, Any], str]:
+    """``kvoffload verify`` (the CLI) over ``config``: exit status, JSON report, output."""
+    out = tmp / f"verify-{len(list(tmp.glob('verify-*')))}.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvoffload",
+            "verify",
+            "--config",
+            str(config),
+            "--json",
+            str(out),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp,
+    )
+    report = json.loads(out.read_text()) if out.exists() else {}
+    return proc.returncode, report, proc.stdout + proc.stderr
+
+
+def _tier_yaml(path: Path, tiers: dict[str, Any]) -> Path:
+    path.write_text(json.dumps(tiers["config"]))  # JSON is YAML
+    return path
+
+
+def _start_engine(
+    tmp: Path, spec: Path
+) -> tuple[list[str], subprocess.Popen[str], list[dict[str, Any]] | None]:
+    """Start ``engine_run.py`` in a process group of its own and wait for its first
+    round: the output lines so far (a thread keeps collecting them, so the engine
+    never blocks on a full pipe), the process, and that round's results (``None`` if
+    the engine ended first)."""
+    proc = subprocess.Popen(
+        [sys.executable, str(HERE / "engine_run.py"), str(spec)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_env(single_process=False),
+        cwd=tmp,
+        start_new_session=True,
+    )
+    lines: list[str] = []
+    first: list[Any] = []
+    seen = threading.Event()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("E2E-ROUND 0 0 "):
+                first.append(json.loads(line.split(" ", 3)[3]))
+                seen.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + 600
+    while not seen.wait(0.2) and proc.poll() is None and time.monotonic() < deadline:
+        pass
+    return lines, proc, first[0] if first else None
+
+
+@pytest.mark.slow
+def test_kill_9_while_storing_then_restart_and_verify(tmp_path: Path) -> None:
+    """An engine over cpu -> mmap (write_through, fsync) runs a check round, then round
+    after round of new prompts (every step stores blocks); its whole process group is
+    killed with SIGKILL at a random moment of that workload, five times (seeded). Each
+    next engine starts over the same tiers and its check round equals the reference
+    (the first of the restarts serves it from the disk tier). After each kill,
+    ``kvoffload verify`` reads every block: exit 0, or 1 with corrupt blocks that
+    ``--repair`` (on a copy, so the next engine meets the crash's state) discards,
+    after which a second ``verify`` finds none. A last engine exits cleanly and the
+    tier verifies clean after ``--repair``."""
+    rng = random.Random(10)
+    tier_dir = tmp_path / "ssd"
+    tiers = _tiers("mmap", tier_dir, capacity="16MiB")
+    tiers["config"]["tiers"][0]["capacity"] = "16MiB"
+    config = _tier_yaml(tmp_path / "tiers.yaml", tiers)
+    check = [PREFIX + _tokens(300 + i, 50) for i in range(3)]
+    (ref,) = _run(tmp_path, single_process=True, kvoffload=None, rounds=[check])
+    want = _outputs(ref)
+
+    def workload(engine: int) -> list[list[list[int]]]:
+        return [
+            [_tokens(1000 * engine + 10 * r + i, 320 + 32 * i) for i in range(6)] for r in range(60)
+        ]
+
+    kills = 5
+    cached = []
+    timeline = []
+    for engine in range(kills + 1):
+        last = engine == kills
+        spec = _spec(tmp_path, kvoffload=tiers, rounds=[check] + ([] if last else workload(engine)))
+        lines, proc, checked = _start_engine(tmp_path, spec)
+        try:
+            if not last and checked is not None:
+                # The workload starts now: kill the group at a random moment of it.
+                delay = rng.uniform(0.2, 2.5)
+                time.sleep(delay)
+                assert proc.poll() is None, "the engine finished before it was killed"
+                os.killpg(proc.pid, signal.SIGKILL)
+                timeline.append(f"engine {engine}: killed {delay:.2f} s into its workload")
+            proc.wait(timeout=600)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        deadline = time.monotonic() + 60
+        while _group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _group_alive(proc.pid), "processes of the killed group live on"
+        log = "".join(lines)[-4000:]
+        assert checked is not None, log
+        assert proc.returncode == (0 if last else -signal.SIGKILL), log
+        assert [r["tokens"] for r in checked] == want, f"engine {engine}"
+        assert not any(r["failed"] for r in checked), checked
+        cached.append([r["cached"] for r in checked])
+
+        # Whatever the crash (or the clean exit) left, verify classifies every block;
+        # what it finds corrupt, --repair discards.
+        rc, report, out = _verify(tmp_path, config)
+        assert rc in (0, 1), out
+        (counts,) = report.values()
+        assert counts["blocks"] == counts["ok"] + counts["corrupt"], out
+        assert rc == (1 if counts["corrupt"] else 0), out
+        timeline.append(f"  verify: {counts}")
+        copy = tmp_path / "repaired"
+        shutil.rmtree(copy, ignore_errors=True)
+        shutil.copytree(tier_dir, copy)
+        copy_config = _tier_yaml(tmp_path / "repaired.yaml", _tiers("mmap", copy, capacity="16MiB"))
+        rc, fixed, out = _verify(tmp_path, copy_config, "--repair")
+        assert rc == 0, out
+        assert fixed["disk"]["repaired"] == fixed["disk"]["corrupt"], out
+        rc, again, out = _verify(tmp_path, copy_config)
+        assert rc == 0, out
+        assert again["disk"]["corrupt"] == 0, out
+        assert again["disk"]["ok"] == again["disk"]["blocks"] == fixed["disk"]["ok"], out
+    print("\n".join(timeline), "\ncached per engine:", cached)
+    assert cached[0][0] == 0, cached  # a fresh tier
+    assert cached[1][0] > 0, cached  # the first restart loaded the prefix from disk
+
+
+# ----------------------------------------------------------------- aborts
+@pytest.mark.slow
+def test_aborted_requests_leave_no_pins_holds_or_prefetches(tmp_path: Path) -> None:
+    """One engine stores 20 distinct 11-block prefixes on the disk tier; a new engine
+    over the same tiers (its cpu tier empty) gets 1000 requests over those prefixes,
+    takes one step (which starts the prefetches: every lookup answers "not yet"), and
+    aborts them all before any load. Once the engine is idle, the connector holds
+    nothing: no pinned block in any tier, no held claim, no prefetch in flight, and
+    the Offloader's consistency check is clean. The same again with two steps before
+    the aborts, so that some claims were decided and loaded first."""
+    prefixes = [_tokens(500 + p, 11 * BLOCK) for p in range(20)]
+    fill = [p + _tokens(600 + i, 20) for i, p in enumerate(prefixes)]
+    requests = [prefixes[i % 20] + _tokens(10_000 + i, 10 + i % 30) for i in range(1000)]
+    tiers = _tiers("mmap", tmp_path / "ssd", capacity="32MiB")
+    results = _run(
+        tmp_path,
+        single_process=True,
+        kvoffload=tiers,
+        engines=[
+            {"rounds": [fill]},
+            {"abort": {"prompts": requests, "steps": 1, "settle_s": 10}},
+            {"abort": {"prompts": requests, "steps": 2, "settle_s": 10}},
+        ],
+    )
+    assert results[0]["failed"] == 0
+    for result in results[1:]:
+        run = result["abort"]
+        detail = json.dumps({k: v for k, v in run.items() if k != "counters"}, indent=1)
+        detail += "\n" + json.dumps(run["counters"])
+        assert run["submitted"] == 1000
+        assert run["unfinished_after"] == 0, detail
+        health = run["health"]
+        assert health is not None and "error" not in health, detail
+        assert health["pinned"] == [0, 0], detail
+        assert health["holds"] == 0, detail
+        assert health["prefetches"] == 0, detail
+        assert health["problems"] == [], detail
+        # Anything else the health report counts (claims waiting, plans) is 0 too.
+        others = {k: v for k, v in health.items() if k not in ("pinned", "problems")}
+        assert not any(others.values()), detail
+        # The disk tier was asked: prefetches ran (or were in flight when aborted).
+        before = run["health_before_abort"]
+        assert run["counters"]["prefetched_blocks"] > 0 or before["prefetches"] > 0, detail
+    # One step: every lookup answered "not yet", so nothing was loaded.
+    assert results[1]["abort"]["counters"]["blocks_loaded"] == 0, json.dumps(results[1]["abort"])
