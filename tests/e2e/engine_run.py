@@ -13,10 +13,11 @@ optional:
 - ``engine``: extra ``LLM(...)`` arguments;
 - ``failure_policy``: vLLM's ``kv_load_failure_policy`` (``"fail"`` or
   ``"recompute"``); left out, it is not passed and vLLM's default (``"fail"``) applies;
-- ``abort``: ``{"prompts": [...], "steps": k, "settle_s": s}``: after the rounds,
-  submit the prompts, step the engine ``k`` times, abort them all, step until the
-  engine is idle, then wait up to ``s`` seconds for the connector to settle
-  (single-process mode: the connector's health is read in this process);
+- ``abort``: ``{"prompts": [...], "steps": k, "pause_s": p, "settle_s": s}``: after
+  the rounds, submit the prompts, step the engine ``k`` times (``p`` seconds apart),
+  abort them all, step until the engine is idle, then wait up to ``s`` seconds for
+  the connector to settle (single-process mode: the connector's health is read in
+  this process);
 - ``engines``: a list of overrides of the keys above: one engine after the other in
   this process (each shut down before the next starts), one result line each. Saves
   the interpreter's start and vLLM's import (about 12 s of each engine run here).
@@ -24,10 +25,12 @@ optional:
 Prints, per engine, ``E2E-READY <index>`` once it is up, ``E2E-ROUND <index> <round>
 <json>`` as each round finishes (so a test that kills the engine still sees what it
 did), and one ``E2E-RESULT <json>`` line: ``index``, ``rounds`` (per prompt its output
-token ids, ``num_cached_tokens``, ``finish_reason`` and whether it failed), ``failed``
+token ids, ``num_cached_tokens``, ``finish_reason`` and whether it failed), ``resets``
+(per round, whether vLLM's prefix cache could be reset after it), ``failed``
 (how many requests failed), ``error`` (an exception that ended the engine, else
 ``null``), and in single-process mode the connector's ``kvoffload`` counters and
-``health``.
+``health``. An engine that fails prints ``E2E-FAILED <json>`` instead, its traceback
+goes to stderr, and the exit status is 1.
 """
 
 from __future__ import annotations
@@ -117,6 +120,23 @@ def _core_busy(llm: Any) -> bool:
     return bool(engine.has_unfinished_requests())
 
 
+def _reset_prefix_cache(llm: Any, timeout: float = 60.0) -> bool:
+    """Reset vLLM's prefix cache, so the next round's hits can only come from the
+    connector. vLLM refuses while blocks are still held: the connector holds a finished
+    request's blocks until its stores are done, and frees them in a later step, which
+    here (no request left) only a step of our own brings about; in multi-process mode
+    the engine core steps by itself."""
+    deadline = time.monotonic() + timeout
+    while not llm.reset_prefix_cache():
+        if time.monotonic() > deadline:
+            return False
+        if _core_busy(llm):
+            llm.llm_engine.step()
+        else:
+            time.sleep(0.02)
+    return True
+
+
 def _abort_run(llm: Any, params: Any, spec: dict[str, Any], engine_id: str | None) -> Any:
     """Submit, step a little, abort everything, step until idle; what the connector
     looked like on the way."""
@@ -124,7 +144,9 @@ def _abort_run(llm: Any, params: Any, spec: dict[str, Any], engine_id: str | Non
     prompts = spec["prompts"]
     ids = llm.enqueue([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     finished_before = 0
-    for _ in range(spec.get("steps", 1)):
+    for step in range(spec.get("steps", 1)):
+        if step:
+            time.sleep(spec.get("pause_s", 0.0))  # let prefetches land meanwhile
         finished_before += sum(1 for o in engine.step() if o.finished)
     _, before = _connector_state(engine_id)
     # ``enqueue`` returns the engine's own (internal) request ids.
@@ -180,7 +202,13 @@ def run_engine(spec: dict[str, Any], index: int) -> dict[str, Any]:
         if spec.get("failure_policy") is not None:
             transfer["kv_load_failure_policy"] = spec["failure_policy"]
         kwargs["kv_transfer_config"] = KVTransferConfig(**transfer)
-    result: dict[str, Any] = {"index": index, "rounds": [], "failed": 0, "error": None}
+    result: dict[str, Any] = {
+        "index": index,
+        "rounds": [],
+        "resets": [],
+        "failed": 0,
+        "error": None,
+    }
     t0 = time.monotonic()
     llm = LLM(**kwargs)
     try:
@@ -195,7 +223,7 @@ def run_engine(spec: dict[str, Any], index: int) -> dict[str, Any]:
             result["rounds"].append(done)
             result["failed"] += sum(o["failed"] for o in done)
             _emit("E2E-ROUND", index, r, json.dumps(done))
-            llm.reset_prefix_cache()
+            result["resets"].append(_reset_prefix_cache(llm))
         if spec.get("abort") is not None:
             result["abort"] = _abort_run(llm, params, spec["abort"], engine_id)
         result["kvoffload"], result["health"] = (

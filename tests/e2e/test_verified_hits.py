@@ -27,7 +27,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -43,8 +42,8 @@ pytest.importorskip("vllm")
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 from engine_run import write_tiny_llama  # noqa: E402
-
 from kvoffload.backends.mmap import ALIGN, MmapBackend  # noqa: E402
+
 from kvoffload.record import HEADER_BYTES, HEADER_DTYPE, MAGIC  # noqa: E402
 
 BLOCK = 32
@@ -61,6 +60,10 @@ def _tokens(seed: int, n: int) -> list[int]:
 PREFIX = _tokens(100, 11 * BLOCK)
 BATCH = [PREFIX + _tokens(101 + i, 70) for i in range(4)] + [_tokens(200, 300)]
 BATCH_BLOCKS = 28
+# Other prompts stored on the same tier (10 blocks each), so that its files hold more
+# than the batch and random damage leaves some of the batch's blocks intact.
+FILLER = [_tokens(400 + i, 10 * BLOCK) for i in range(10)]
+FILLER_BLOCKS = 100
 
 
 # --------------------------------------------------------------------------- running
@@ -104,14 +107,16 @@ def _run(
     failed = _lines(proc.stdout, "E2E-FAILED ")
     want = len(spec.get("engines") or [{}])
     detail = "\n".join(f["error"] for f in failed) or proc.stderr[-4000:]
-    assert proc.returncode == 0 and len(results) == want, (
-        f"exit {proc.returncode}, {len(results)} of {want} engines ran:\n{detail}"
-    )
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{detail}"
+    assert len(results) == want, f"{len(results)} of {want} engines ran:\n{detail}"
     return results
 
 
 def _tiers(disk: str | None, path: Path | None = None, **disk_settings: Any) -> dict[str, Any]:
-    tiers: list[dict[str, Any]] = [{"name": "cpu", "backend": "cpu", "capacity": "64MiB"}]
+    # Room in each tier's store queue for a whole batch's stores at once: a dropped
+    # store would leave a filled tier short of the blocks a test expects there.
+    queue = {"max_pending_stores": 256}
+    tiers: list[dict[str, Any]] = [{"name": "cpu", "backend": "cpu", "capacity": "64MiB", **queue}]
     if disk is not None:
         tiers.append(
             {
@@ -120,9 +125,7 @@ def _tiers(disk: str | None, path: Path | None = None, **disk_settings: Any) -> 
                 "capacity": "4MiB",
                 "path": str(path),
                 "write_policy": "write_through",
-                # Room for a whole batch's stores at once: a dropped store would leave
-                # the filled tier short of the blocks the test damages.
-                "max_pending_stores": 256,
+                **queue,
                 **disk_settings,
             }
         )
@@ -240,18 +243,22 @@ def _held_blocks(directory: Path, backend: str) -> int:
 def test_corrupt_disk_tier_never_fails_a_request(
     tmp_path: Path, reference: list[list[int]], backend: str
 ) -> None:
-    """Fill a cpu -> disk (write_through) tier with one batch; then, for 5 seeds, damage
-    a fresh copy of it (64 bytes flipped at random per file) and run the same batch on
-    a new engine over the copy, under both failure policies: ``"fail"`` (vLLM's
-    default; single-process, so the counters show the corruption was met) and
-    ``"recompute"`` (in vLLM's default multi-process mode). Every run: no failed
-    request, outputs equal to the reference."""
+    """Fill a cpu -> disk (write_through) tier with one batch (and other prompts); then,
+    for 5 seeds, damage a fresh copy of it (64 bytes flipped at random per file) and
+    run the same batch on a new engine over the copy, under both failure policies:
+    ``"fail"`` (vLLM's default; single-process, so the counters show the damage was
+    met and intact blocks were still served) and ``"recompute"`` (in vLLM's default
+    multi-process mode). Every run: no failed request, outputs equal to the
+    reference."""
     pristine = tmp_path / "pristine"
     (fill,) = _run(
-        tmp_path, single_process=True, kvoffload=_tiers(backend, pristine), rounds=[BATCH]
+        tmp_path,
+        single_process=True,
+        kvoffload=_tiers(backend, pristine),
+        rounds=[BATCH, FILLER],
     )
     assert _outputs(fill) == reference
-    assert _held_blocks(pristine, backend) == BATCH_BLOCKS
+    assert _held_blocks(pristine, backend) == BATCH_BLOCKS + FILLER_BLOCKS
 
     seeds = range(5)
     runs: dict[str, list[Path]] = {"fail": [], "recompute": []}
@@ -295,15 +302,19 @@ def test_corrupt_disk_tier_never_fails_a_request(
                     else ""
                 )
             )
-    report = "\n".join(summary + [f"fail runs {t1 - t0:.0f} s, recompute runs {t2 - t1:.0f} s"])
+    summary.append(f"fail runs {t1 - t0:.0f} s, recompute runs {t2 - t1:.0f} s")
+    report = "\n".join(summary)
     print(report)
     for policy, results in (("fail", failing), ("recompute", recomputing)):
         for seed, result in zip(seeds, results, strict=True):
             assert result["failed"] == 0, f"{policy} seed {seed}: {_failures(result)}\n{report}"
             assert _outputs(result) == reference, f"{policy} seed {seed}\n{report}"
-    # The damage must have been met, or this test proved nothing.
+    # The damage must have been met, or this test proved nothing; and the damaged
+    # tiers still served their intact blocks.
     corrupt = sum(r["kvoffload"]["tier.disk.corrupt_blocks"] for r in failing)
     assert corrupt > 0, report
+    assert sum(r["kvoffload"]["prefetched_blocks"] for r in failing) > 0, report
+    assert sum(r["kvoffload"]["blocks_loaded"] for r in failing) > 0, report
 
 
 # ----------------------------------------------------------------- the late path
@@ -324,6 +335,9 @@ def test_cpu_tier_read_error_at_load(tmp_path: Path, reference: list[list[int]])
         rounds=[BATCH, BATCH],
         engines=[{"failure_policy": "recompute"}, {"failure_policy": "fail"}],
     )
+    # vLLM's own prefix cache was emptied after round 1: round 2's hits are ours.
+    assert recompute["resets"][0], recompute["resets"]
+    assert fail["resets"][0], fail["resets"]
     c = recompute["kvoffload"]
     assert _outputs(recompute, 0) == reference
     assert _outputs(recompute, 1) == reference, json.dumps(c)
@@ -331,7 +345,20 @@ def test_cpu_tier_read_error_at_load(tmp_path: Path, reference: list[list[int]])
     assert c["load_errors"] > 0, json.dumps(c)
     assert c["blocks_loaded"] > 0, json.dumps(c)  # the later reads served their hits
 
+    keys = ("blocks_loaded", "load_errors", "tier.cpu.hits")
+    print(
+        "recompute:",
+        {k: c[k] for k in keys},
+        "cached",
+        [r["cached"] for r in recompute["rounds"][1]],
+    )
     c = fail["kvoffload"]
+    print(
+        "fail:",
+        {k: c[k] for k in keys},
+        "finish reasons",
+        [r["finish_reason"] for r in fail["rounds"][1]],
+    )
     assert _outputs(fail, 0) == reference  # nothing to load yet: nothing fails
     assert c["load_errors"] > 0, json.dumps(c)
     second = fail["rounds"][1]
@@ -387,11 +414,11 @@ def _tier_yaml(path: Path, tiers: dict[str, Any]) -> Path:
 
 def _start_engine(
     tmp: Path, spec: Path
-) -> tuple[list[str], subprocess.Popen[str], list[dict[str, Any]] | None]:
+) -> tuple[list[str], subprocess.Popen[str], list[dict[str, Any]] | None, threading.Thread]:
     """Start ``engine_run.py`` in a process group of its own and wait for its first
     round: the output lines so far (a thread keeps collecting them, so the engine
-    never blocks on a full pipe), the process, and that round's results (``None`` if
-    the engine ended first)."""
+    never blocks on a full pipe), the process, that round's results (``None`` if the
+    engine ended first), and the collecting thread (done once the pipe closes)."""
     proc = subprocess.Popen(
         [sys.executable, str(HERE / "engine_run.py"), str(spec)],
         stdout=subprocess.PIPE,
@@ -413,135 +440,9 @@ def _start_engine(
                 first.append(json.loads(line.split(" ", 3)[3]))
                 seen.set()
 
-    threading.Thread(target=pump, daemon=True).start()
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
     deadline = time.monotonic() + 600
     while not seen.wait(0.2) and proc.poll() is None and time.monotonic() < deadline:
         pass
-    return lines, proc, first[0] if first else None
-
-
-@pytest.mark.slow
-def test_kill_9_while_storing_then_restart_and_verify(tmp_path: Path) -> None:
-    """An engine over cpu -> mmap (write_through, fsync) runs a check round, then round
-    after round of new prompts (every step stores blocks); its whole process group is
-    killed with SIGKILL at a random moment of that workload, five times (seeded). Each
-    next engine starts over the same tiers and its check round equals the reference
-    (the first of the restarts serves it from the disk tier). After each kill,
-    ``kvoffload verify`` reads every block: exit 0, or 1 with corrupt blocks that
-    ``--repair`` (on a copy, so the next engine meets the crash's state) discards,
-    after which a second ``verify`` finds none. A last engine exits cleanly and the
-    tier verifies clean after ``--repair``."""
-    rng = random.Random(10)
-    tier_dir = tmp_path / "ssd"
-    tiers = _tiers("mmap", tier_dir, capacity="16MiB")
-    tiers["config"]["tiers"][0]["capacity"] = "16MiB"
-    config = _tier_yaml(tmp_path / "tiers.yaml", tiers)
-    check = [PREFIX + _tokens(300 + i, 50) for i in range(3)]
-    (ref,) = _run(tmp_path, single_process=True, kvoffload=None, rounds=[check])
-    want = _outputs(ref)
-
-    def workload(engine: int) -> list[list[list[int]]]:
-        return [
-            [_tokens(1000 * engine + 10 * r + i, 320 + 32 * i) for i in range(6)] for r in range(60)
-        ]
-
-    kills = 5
-    cached = []
-    timeline = []
-    for engine in range(kills + 1):
-        last = engine == kills
-        spec = _spec(tmp_path, kvoffload=tiers, rounds=[check] + ([] if last else workload(engine)))
-        lines, proc, checked = _start_engine(tmp_path, spec)
-        try:
-            if not last and checked is not None:
-                # The workload starts now: kill the group at a random moment of it.
-                delay = rng.uniform(0.2, 2.5)
-                time.sleep(delay)
-                assert proc.poll() is None, "the engine finished before it was killed"
-                os.killpg(proc.pid, signal.SIGKILL)
-                timeline.append(f"engine {engine}: killed {delay:.2f} s into its workload")
-            proc.wait(timeout=600)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        deadline = time.monotonic() + 60
-        while _group_alive(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not _group_alive(proc.pid), "processes of the killed group live on"
-        log = "".join(lines)[-4000:]
-        assert checked is not None, log
-        assert proc.returncode == (0 if last else -signal.SIGKILL), log
-        assert [r["tokens"] for r in checked] == want, f"engine {engine}"
-        assert not any(r["failed"] for r in checked), checked
-        cached.append([r["cached"] for r in checked])
-
-        # Whatever the crash (or the clean exit) left, verify classifies every block;
-        # what it finds corrupt, --repair discards.
-        rc, report, out = _verify(tmp_path, config)
-        assert rc in (0, 1), out
-        (counts,) = report.values()
-        assert counts["blocks"] == counts["ok"] + counts["corrupt"], out
-        assert rc == (1 if counts["corrupt"] else 0), out
-        timeline.append(f"  verify: {counts}")
-        copy = tmp_path / "repaired"
-        shutil.rmtree(copy, ignore_errors=True)
-        shutil.copytree(tier_dir, copy)
-        copy_config = _tier_yaml(tmp_path / "repaired.yaml", _tiers("mmap", copy, capacity="16MiB"))
-        rc, fixed, out = _verify(tmp_path, copy_config, "--repair")
-        assert rc == 0, out
-        assert fixed["disk"]["repaired"] == fixed["disk"]["corrupt"], out
-        rc, again, out = _verify(tmp_path, copy_config)
-        assert rc == 0, out
-        assert again["disk"]["corrupt"] == 0, out
-        assert again["disk"]["ok"] == again["disk"]["blocks"] == fixed["disk"]["ok"], out
-    print("\n".join(timeline), "\ncached per engine:", cached)
-    assert cached[0][0] == 0, cached  # a fresh tier
-    assert cached[1][0] > 0, cached  # the first restart loaded the prefix from disk
-
-
-# ----------------------------------------------------------------- aborts
-@pytest.mark.slow
-def test_aborted_requests_leave_no_pins_holds_or_prefetches(tmp_path: Path) -> None:
-    """One engine stores 20 distinct 11-block prefixes on the disk tier; a new engine
-    over the same tiers (its cpu tier empty) gets 1000 requests over those prefixes,
-    takes one step (which starts the prefetches: every lookup answers "not yet"), and
-    aborts them all before any load. Once the engine is idle, the connector holds
-    nothing: no pinned block in any tier, no held claim, no prefetch in flight, and
-    the Offloader's consistency check is clean. The same again with two steps before
-    the aborts, so that some claims were decided and loaded first."""
-    prefixes = [_tokens(500 + p, 11 * BLOCK) for p in range(20)]
-    fill = [p + _tokens(600 + i, 20) for i, p in enumerate(prefixes)]
-    requests = [prefixes[i % 20] + _tokens(10_000 + i, 10 + i % 30) for i in range(1000)]
-    tiers = _tiers("mmap", tmp_path / "ssd", capacity="32MiB")
-    results = _run(
-        tmp_path,
-        single_process=True,
-        kvoffload=tiers,
-        engines=[
-            {"rounds": [fill]},
-            {"abort": {"prompts": requests, "steps": 1, "settle_s": 10}},
-            {"abort": {"prompts": requests, "steps": 2, "settle_s": 10}},
-        ],
-    )
-    assert results[0]["failed"] == 0
-    for result in results[1:]:
-        run = result["abort"]
-        detail = json.dumps({k: v for k, v in run.items() if k != "counters"}, indent=1)
-        detail += "\n" + json.dumps(run["counters"])
-        assert run["submitted"] == 1000
-        assert run["unfinished_after"] == 0, detail
-        health = run["health"]
-        assert health is not None and "error" not in health, detail
-        assert health["pinned"] == [0, 0], detail
-        assert health["holds"] == 0, detail
-        assert health["prefetches"] == 0, detail
-        assert health["problems"] == [], detail
-        # Anything else the health report counts (claims waiting, plans) is 0 too.
-        others = {k: v for k, v in health.items() if k not in ("pinned", "problems")}
-        assert not any(others.values()), detail
-        # The disk tier was asked: prefetches ran (or were in flight when aborted).
-        before = run["health_before_abort"]
-        assert run["counters"]["prefetched_blocks"] > 0 or before["prefetches"] > 0, detail
-    # One step: every lookup answered "not yet", so nothing was loaded.
-    assert results[1]["abort"]["counters"]["blocks_loaded"] == 0, json.dumps(results[1]["abort"])
+    return lines, proc, first[0] if first else None, reader

@@ -68,7 +68,12 @@ class FlakyCPUTierConfig(CPUTierConfig):
 
 
 class FlakyCPUBackend(CPUBackend):
-    """:class:`CPUBackend` whose reads fail as configured; writes always succeed."""
+    """:class:`CPUBackend` whose reads fail as configured; writes always succeed.
+
+    It does not hand out its slab (:meth:`rows` is ``None``), so every load goes
+    through :meth:`read`, one call per load, and an injected failure is an I/O error
+    at load time (the built-in cpu tier's loads copy straight from the slab, where
+    nothing can be made to fail)."""
 
     config_model = FlakyCPUTierConfig
 
@@ -95,3 +100,6 @@ class FlakyCPUBackend(CPUBackend):
                     f"tier {self.name!r}: injected read failure (read {n} of {len(slots)} blocks)"
                 )
         return super().read(slots, keys, dst)
+
+    def rows(self, start: int, n: int) -> torch.Tensor | None:
+        return None
