@@ -27,8 +27,10 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -413,7 +415,7 @@ def _tier_yaml(path: Path, tiers: dict[str, Any]) -> Path:
 
 
 def _start_engine(
-    tmp: Path, spec: Path
+    tmp: Path, spec: Path, env: dict[str, str]
 ) -> tuple[list[str], subprocess.Popen[str], list[dict[str, Any]] | None, threading.Thread]:
     """Start ``engine_run.py`` in a process group of its own and wait for its first
     round: the output lines so far (a thread keeps collecting them, so the engine
@@ -424,7 +426,7 @@ def _start_engine(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=_env(single_process=False),
+        env=env,
         cwd=tmp,
         start_new_session=True,
     )
@@ -446,3 +448,170 @@ def _start_engine(
     while not seen.wait(0.2) and proc.poll() is None and time.monotonic() < deadline:
         pass
     return lines, proc, first[0] if first else None, reader
+
+
+@pytest.mark.slow
+def test_kill_9_while_storing_then_restart_and_verify(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """An engine over cpu -> mmap (write_through, fsync) runs a check round, then round
+    after round of new prompts (every step stores blocks); its whole process group is
+    killed with SIGKILL at a random moment of that workload, five times (seeded). Each
+    next engine starts over the same tiers and its check round equals the reference
+    (the first of the restarts serves it from the disk tier). After each kill,
+    ``kvoffload verify`` reads every block: exit 0, or 1 with corrupt blocks that
+    ``--repair`` (on a copy, so the next engine meets the crash's state) discards,
+    after which a second ``verify`` finds none. A last engine exits cleanly, and the
+    same checks follow."""
+    rng = random.Random(10)
+    tier_dir = tmp_path / "ssd"
+    tiers = _tiers("mmap", tier_dir, capacity="16MiB")
+    tiers["config"]["tiers"][0]["capacity"] = "16MiB"
+    config = _tier_yaml(tmp_path / "tiers.yaml", tiers)
+    check = [PREFIX + _tokens(300 + i, 50) for i in range(3)]
+    (ref,) = _run(tmp_path, single_process=True, kvoffload=None, rounds=[check])
+    want = _outputs(ref)
+
+    def workload(engine: int) -> list[list[list[int]]]:
+        return [
+            [_tokens(1000 * engine + 10 * r + i, 320 + 32 * i) for i in range(6)] for r in range(60)
+        ]
+
+    # The connector's Unix sockets go to $TMPDIR; a killed engine leaves its socket
+    # file behind, so give the engines a short-lived one of their own (short: a
+    # socket path has at most 107 bytes).
+    sockets = Path(tempfile.mkdtemp(prefix="kvo-"))
+    env = {**_env(single_process=False), "TMPDIR": str(sockets)}
+    request.addfinalizer(lambda: shutil.rmtree(sockets, ignore_errors=True))
+    kills = 5
+    cached = []
+    timeline = []
+    t0 = time.monotonic()
+    for engine in range(kills + 1):
+        last = engine == kills
+        timeline.append(f"{time.monotonic() - t0:6.1f} s: engine {engine} starts")
+        spec = _spec(tmp_path, kvoffload=tiers, rounds=[check] + ([] if last else workload(engine)))
+        lines, proc, checked, reader = _start_engine(tmp_path, spec, env)
+        try:
+            if not last and checked is not None:
+                # The workload starts now: kill the group at a random moment of it.
+                delay = rng.uniform(0.2, 2.5)
+                time.sleep(delay)
+                assert proc.poll() is None, "the engine finished before it was killed"
+                os.killpg(proc.pid, signal.SIGKILL)
+                timeline.append(
+                    f"{time.monotonic() - t0:6.1f} s: killed {delay:.2f} s into its workload"
+                )
+            proc.wait(timeout=600)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            reader.join(timeout=60)
+            assert proc.stdout is not None
+            proc.stdout.close()
+        deadline = time.monotonic() + 60
+        while _group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _group_alive(proc.pid), "processes of the killed group live on"
+        log = "".join(lines)[-4000:]
+        assert checked is not None, log
+        assert proc.returncode == (0 if last else -signal.SIGKILL), log
+        assert [r["tokens"] for r in checked] == want, f"engine {engine}"
+        assert not any(r["failed"] for r in checked), checked
+        cached.append([r["cached"] for r in checked])
+
+        # Whatever the crash (or the clean exit) left, verify classifies every block;
+        # what it finds corrupt, --repair discards.
+        rc, report, out = _verify(tmp_path, config)
+        assert rc in (0, 1), out
+        (counts,) = report.values()
+        assert counts["blocks"] == counts["ok"] + counts["corrupt"], out
+        assert rc == (1 if counts["corrupt"] else 0), out
+        timeline.append(f"{time.monotonic() - t0:6.1f} s: verified {counts}")
+        if not counts["corrupt"]:
+            continue  # nothing to repair
+        copy = tmp_path / "repaired"
+        shutil.rmtree(copy, ignore_errors=True)
+        shutil.copytree(tier_dir, copy)
+        copy_config = _tier_yaml(tmp_path / "repaired.yaml", _tiers("mmap", copy, capacity="16MiB"))
+        rc, fixed, out = _verify(tmp_path, copy_config, "--repair")
+        assert rc == 0, out
+        assert fixed["disk"]["repaired"] == fixed["disk"]["corrupt"], out
+        rc, again, out = _verify(tmp_path, copy_config)
+        assert rc == 0, out
+        assert again["disk"]["corrupt"] == 0, out
+        assert again["disk"]["ok"] == again["disk"]["blocks"] == fixed["disk"]["ok"], out
+    print("\n".join(timeline), "\ncached per engine:", cached)
+    assert cached[0][0] == 0, cached  # a fresh tier
+    assert cached[1][0] > 0, cached  # the first restart loaded the prefix from disk
+
+
+# ----------------------------------------------------------------- aborts
+@pytest.mark.slow
+def test_aborted_requests_leave_no_pins_holds_or_prefetches(tmp_path: Path) -> None:
+    """One engine stores 20 distinct 11-block prefixes on the disk tier; a new engine
+    over the same tiers (its cpu tier empty) gets 1000 requests over those prefixes,
+    takes one step (which starts the prefetches: every lookup answers "not yet"), and
+    aborts them all before any load. Once the engine is idle, the connector holds
+    nothing: no pinned block in any tier, no held claim, no prefetch in flight, and
+    the Offloader's consistency check is clean. The same again with four steps half a
+    second apart before the aborts, so that claims were decided, and requests loaded
+    and running, when they were aborted."""
+    prefixes = [_tokens(500 + p, 11 * BLOCK) for p in range(20)]
+    fill = [p + _tokens(600 + i, 20) for i, p in enumerate(prefixes)]
+    requests = [prefixes[i % 20] + _tokens(10_000 + i, 10 + i % 30) for i in range(1000)]
+    tiers = _tiers("mmap", tmp_path / "ssd", capacity="32MiB")
+    results = _run(
+        tmp_path,
+        single_process=True,
+        kvoffload=tiers,
+        engines=[
+            {"rounds": [fill]},
+            {"abort": {"prompts": requests, "steps": 1, "settle_s": 10}},
+            {"abort": {"prompts": requests, "steps": 4, "pause_s": 0.5, "settle_s": 10}},
+        ],
+    )
+    assert results[0]["failed"] == 0
+    for result in results[1:]:
+        run = result["abort"]
+        c = run["counters"]
+        keys = (
+            "lookups",
+            "prefetched_blocks",
+            "prefetch_wasted",
+            "blocks_planned",
+            "blocks_loaded",
+        )
+        print(
+            f"abort, engine {result['index']}:",
+            {k: run[k] for k in ("finished_before_abort", "steps_to_idle", "settle_seconds")},
+            {k: c.get(k) for k in keys},
+            "\n  health before abort:",
+            run["health_before_abort"],
+            "\n  at idle:",
+            run["health_at_idle"],
+            "\n  settled:",
+            run["health"],
+        )
+        detail = json.dumps({k: v for k, v in run.items() if k != "counters"}, indent=1)
+        detail += "\n" + json.dumps(run["counters"])
+        assert run["submitted"] == 1000
+        assert run["unfinished_after"] == 0, detail
+        health = run["health"]
+        assert health is not None, detail
+        assert "error" not in health, detail
+        assert health["pinned"] == [0, 0], detail
+        assert health["holds"] == 0, detail
+        assert health["prefetches"] == 0, detail
+        assert health["problems"] == [], detail
+        # Anything else the health report counts (claims waiting, plans) is 0 too.
+        others = {k: v for k, v in health.items() if k not in ("pinned", "problems")}
+        assert not any(others.values()), detail
+        # The disk tier was asked: prefetches ran (or were in flight when aborted).
+        before = run["health_before_abort"]
+        assert run["counters"]["prefetched_blocks"] > 0 or before["prefetches"] > 0, detail
+    # One step: every lookup answered "not yet", so nothing was loaded; after four,
+    # some requests had been loaded and were running.
+    assert results[1]["abort"]["counters"]["blocks_loaded"] == 0, json.dumps(results[1]["abort"])
+    assert results[2]["abort"]["counters"]["blocks_loaded"] > 0, json.dumps(results[2]["abort"])
