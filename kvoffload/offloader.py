@@ -970,18 +970,19 @@ class Offloader:
 
     def _run_load(self, plan: LoadPlan, pool_ids: list[int], submitted: float) -> int:
         n = plan.hits
-        direct = [self._direct(run) for run in plan.runs]
-        in_buf = [False] * n  # positions read into the staging buffer
-        for run, groups in zip(plan.runs, direct, strict=True):
-            if groups is None:
-                in_buf[run.start : run.stop] = [True] * (run.stop - run.start)
-        buf = self._buffers.acquire(n) if any(in_buf) else None
+        buf: torch.Tensor | None = None
         corrupt: dict[int, list[BlockKey]] = {}
         valid = 0
         handed_on = False
         pool = self.pool
         assert pool is not None or not n
-        try:
+        try:  # everything after the plan was pinned: the finally settles it
+            direct = [self._direct(run) for run in plan.runs]
+            in_buf = [False] * n  # positions read into the staging buffer
+            for run, groups in zip(plan.runs, direct, strict=True):
+                if groups is None:
+                    in_buf[run.start : run.stop] = [True] * (run.stop - run.start)
+            buf = self._buffers.acquire(n) if any(in_buf) else None
             if n:
                 for run, groups in zip(plan.runs, direct, strict=True):
                     keys = plan.keys[run.start : run.stop]

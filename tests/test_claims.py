@@ -4,7 +4,6 @@ instead of failing a load. Real cpu, mmap and LMDB tiers; every load bit-exact."
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from test_offloader import (
     _offloader,
     _store,
     _tiers,
+    corrupt_mmap_payload,
 )
 
 from kvoffload.blockpool import BlockPool
@@ -47,20 +47,6 @@ def _load(off: Offloader, plan: LoadPlan, ids: list[int]) -> int:
     (res,) = off.wait([job], timeout=30)
     assert res.success, res.error
     return res.nbytes // BPB
-
-
-def _corrupt_mmap(off: Offloader, key: BlockKey) -> None:
-    """Flip payload bytes of ``key``'s block in its mmap slab file (headers are read at
-    open: the e2e tests damage those between engine runs)."""
-    slot = off.tiers[1].manager.state(key).slot  # type: ignore[union-attr]
-    backend: Any = off.tiers[1].backend
-    slab, index = backend._locate(slot)
-    fd = os.open(slab.path, os.O_WRONLY)  # buffered: the tier's own fd is O_DIRECT
-    try:
-        os.pwrite(fd, b"\xa5" * 64, slab.data_offset + index * backend.stride + 100)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _cold(tmp_path: Path, pool: BlockPool, n: int, cpu_blocks: int = 32) -> tuple[Any, list[Any]]:
@@ -103,7 +89,7 @@ def test_corrupt_disk_block_shortens_the_claim_before_any_load(
 ) -> None:
     off, keys = _cold(tmp_path, pool, 12)
     with off:
-        _corrupt_mmap(off, keys[where])
+        corrupt_mmap_payload(off, keys[where])
         plan = _claim(off, "r1", keys)
         assert plan.hits == where  # decided short: nothing after the bad block claimed
         assert _load(off, plan, list(range(20, 32))) == where  # and all of it loads

@@ -95,6 +95,19 @@ def _load(off: Offloader, keys: list[BlockKey], ids: list[int]) -> int:
     return res.nbytes // BPB
 
 
+def corrupt_mmap_payload(off: Offloader, key: BlockKey) -> None:
+    """Overwrite 64 payload bytes of ``key``'s block in the mmap tier's slab file."""
+    slot = off.tiers[1].manager.state(key).slot  # type: ignore[union-attr]
+    backend: Any = off.tiers[1].backend
+    slab, index = backend._locate(slot)  # the slot's payload in its slab file
+    fd = os.open(slab.path, os.O_WRONLY)  # buffered: the tier's own fd is O_DIRECT
+    try:
+        os.pwrite(fd, b"\xff" * 64, slab.data_offset + index * backend.stride + 100)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _held(off: Offloader, tier: int, keys: list[BlockKey]) -> int:
     return sum(off.tiers[tier].manager.state(k) is not None for k in keys)
 
@@ -251,15 +264,7 @@ def test_corrupt_block_below_is_a_miss_and_dropped(tmp_path: Path, pool: BlockPo
         _store(off, keys[8:], list(range(8)))
         assert off.drain()
         victim = keys[3]  # in mmap only now
-        slot = off.tiers[1].manager.state(victim).slot  # type: ignore[union-attr]
-        backend: Any = off.tiers[1].backend
-        slab, index = backend._locate(slot)  # the slot's payload in its slab file
-        fd = os.open(slab.path, os.O_WRONLY)  # buffered: the tier's own fd is O_DIRECT
-        try:
-            os.pwrite(fd, b"\xff" * 64, slab.data_offset + index * backend.stride + 100)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        corrupt_mmap_payload(off, victim)
         assert _load(off, keys, list(range(16, 32))) == 3
         _assert_pool_holds(pool, keys[:3], list(range(16, 19)))
         assert off.stats[1].corrupt_blocks == 1
