@@ -961,6 +961,9 @@ class Offloader:
                 ]
                 p.done = True
                 self._prefetch_landed(p, landed)
+                # A prefetch is a use of the source block: keep it warm in its tier, so
+                # the disk copy outlives the cpu copy that a hit will soon evict.
+                self.tiers[p.write.src_tier].manager.touch(landed)
                 stats = self.prefetch_stats
                 stats.prefetched += len(landed)
                 self.stats[0].promotions += len(landed)

@@ -203,3 +203,18 @@ def test_lmdb_blocks_are_prefetched_and_verified_too(tmp_path: Path, pool: Block
         assert _load(off, plan, list(range(20, 30))) == 10
         _assert_pool_holds(pool, keys, list(range(20, 30)))
         assert off.check() == []
+
+
+def test_a_prefetch_counts_as_a_use_of_the_disk_block(tmp_path: Path, pool: BlockPool) -> None:
+    """The disk tier's LRU sees a prefetch: the blocks just copied up become its most
+    recently used, so the next disk eviction takes a colder block, not the prefix a
+    request is about to load (and whose cpu copy may soon be evicted again)."""
+    off, keys = _cold(tmp_path, pool, 12)
+    with off:
+        disk = off.tiers[1].manager
+        order = [k for k, _ in disk.policy.items()]
+        assert order.index(keys[0]) < order.index(keys[11])  # stored first: coldest
+        plan = _claim(off, "r1", keys[:4])
+        off.unclaim(plan)
+        order = [k for k, _ in disk.policy.items()]
+        assert set(order[-4:]) == set(keys[:4]), "prefetched blocks are the disk tier's most recent"

