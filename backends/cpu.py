@@ -19,17 +19,26 @@ fell to 0.4x there; the queue held 0.9-1.0x).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from functools import partial
-from typing import Any, Final
 
-import numpy as np
-import numpy.typing as npt
 import torch
 
 from kvoffload.backend import Backend
-from kvoffload.blockpool import Chooser, run_queue, worth_choosing
 from kvoffload.config import CPUTierConfig, TierConfig
+from kvoffload.hostcopy import (
+    WIDE,
+    Chooser,
+    as_numpy,
+    assign,
+    host_rows,
+    run_queue,
+    select,
+    take,
+    unpin,
+    worth_choosing,
+)
 from kvoffload.keys import BlockKey
 from kvoffload.layout import KVLayout
 from kvoffload.sizes import format_size
@@ -52,27 +61,28 @@ class CPUBackend(Backend):
             )
             pin = False
         self.pinned = pin
-        self.slab = torch.empty(
-            (self.num_slots, layout.bytes_per_block), dtype=torch.uint8, pin_memory=pin
-        )
-        if not pin:
-            # Touch every page now (pinned memory already is): otherwise the first store
-            # into each slot pays its page faults, and a fresh tier writes at a third
-            # of the speed of a warm one, inside the transfer the engine waits for.
-            self.slab.zero_()
+        # Page-aligned rows (a disk tier can then read and write slots in place with
+        # O_DIRECT), every page touched now: otherwise the first store into each slot
+        # pays its page faults, and a fresh tier writes at a third of the speed of a
+        # warm one, inside the transfer the engine waits for.
+        t0 = time.perf_counter()
+        self.slab = host_rows(self.num_slots, layout.bytes_per_block, pin=pin)
+        self.setup_seconds = time.perf_counter() - t0
+        """Time taken to allocate (and pin) the slab at start."""
         # Indexed copies over uint8 rows run several times slower than over 16-byte
         # rows of the same bytes; copy through the widest view the block size allows.
         self._width = next(w for w in (16, 8, 4, 2, 1) if layout.bytes_per_block % w == 0)
-        self._wide = self.slab.view(_WIDE[self._width])
+        self._wide = self.slab.view(WIDE[self._width])
         self._write_pick = Chooser()
         self._read_pick = Chooser()
         logger.info(
-            "tier %s: cpu slab of %d slots x %d bytes (%s, %s)",
+            "tier %s: cpu slab of %d slots x %d bytes (%s, %s, ready in %.2f s)",
             self.name,
             self.num_slots,
             layout.bytes_per_block,
             format_size(self.slab.numel()),
             "pinned" if pin else "pageable",
+            self.setup_seconds,
         )
 
     def write(self, slots: Sequence[int], keys: Sequence[BlockKey], src: torch.Tensor) -> None:
@@ -101,7 +111,7 @@ class CPUBackend(Backend):
         wide = self._as_wide(dst) if dst.device == self.slab.device else None
         if wide is not None:
             nbytes = len(slots) * self.layout.bytes_per_block
-            team = partial(_select, self._wide, index, wide)
+            team = partial(select, self._wide, index, wide)
             if worth_choosing(nbytes) and wide.is_contiguous():
                 self._read_pick.run(nbytes, team, partial(self._read_queue, index, wide))
             else:
@@ -125,24 +135,24 @@ class CPUBackend(Backend):
         return index
 
     def _write_queue(self, index: torch.Tensor, wide: torch.Tensor) -> None:
-        slots, rows, src = index.numpy(), _numpy(self._wide), _numpy(wide)
+        slots, rows, src = index.numpy(), as_numpy(self._wide), as_numpy(wide)
         per = self._rows_per_call()
         run_queue(
             [
                 [
-                    partial(_assign, rows, slots[s : s + per], src[s : s + per])
+                    partial(assign, rows, slots[s : s + per], src[s : s + per])
                     for s in range(0, len(slots), per)
                 ]
             ]
         )
 
     def _read_queue(self, index: torch.Tensor, wide: torch.Tensor) -> None:
-        slots, rows, dst = index.numpy(), _numpy(self._wide), _numpy(wide)
+        slots, rows, dst = index.numpy(), as_numpy(self._wide), as_numpy(wide)
         per = self._rows_per_call()
         run_queue(
             [
                 [
-                    partial(_take, rows, slots[s : s + per], dst[s : s + per])
+                    partial(take, rows, slots[s : s + per], dst[s : s + per])
                     for s in range(0, len(slots), per)
                 ]
             ]
@@ -159,40 +169,10 @@ class CPUBackend(Backend):
             return None
         if buf.storage_offset() % w:  # ``view(dtype)`` checks the storage offset
             return None
-        return buf.view(_WIDE[self._width])
+        return buf.view(WIDE[self._width])
 
     def close(self) -> None:
+        if self.pinned and self.slab.numel():
+            unpin(self.slab)
         self.slab = torch.empty(0, dtype=torch.uint8)
         self._wide = self.slab
-
-
-def _select(rows: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
-    torch.index_select(rows, 0, index, out=out)
-
-
-def _assign(dst: npt.NDArray[Any], index: npt.NDArray[np.int64], src: npt.NDArray[Any]) -> None:
-    dst[index] = src
-
-
-def _take(src: npt.NDArray[Any], index: npt.NDArray[np.int64], dst: npt.NDArray[Any]) -> None:
-    # ``dst`` is C-contiguous (checked by the caller) and the slots are checked, so no
-    # buffering ("raise" mode always buffers the output).
-    np.take(src, index, axis=0, out=dst, mode="clip")
-
-
-def _numpy(t: torch.Tensor) -> npt.NDArray[Any]:
-    """``t``'s memory as numpy, 16-byte elements as int64 pairs (numpy has no 16-byte
-    integer; int64 copies are bit-exact whatever the bytes)."""
-    if t.dtype == torch.complex128:
-        t = t.view(torch.int64)
-    arr: npt.NDArray[Any] = t.detach().numpy()
-    return arr
-
-
-_WIDE: Final[dict[int, torch.dtype]] = {
-    16: torch.complex128,  # only ever copied, never computed on
-    8: torch.int64,
-    4: torch.int32,
-    2: torch.int16,
-    1: torch.uint8,
-}

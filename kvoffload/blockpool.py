@@ -58,23 +58,23 @@ around whole-layer ``index_select`` / ``index_copy_`` (their OpenMP teams compet
 from __future__ import annotations
 
 import math
-import os
-import threading
-import time
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import Any, ClassVar, Final
 
-import numpy as np
 import numpy.typing as npt
 import torch
 
 from kvoffload.exceptions import LayoutMismatchError
+from kvoffload.hostcopy import QUEUE_MIN_BYTES as QUEUE_MIN_BYTES
+from kvoffload.hostcopy import Chooser as Chooser
+from kvoffload.hostcopy import as_numpy as _numpy
+from kvoffload.hostcopy import assign as _assign
+from kvoffload.hostcopy import byte_view as byte_view
+from kvoffload.hostcopy import page_aligned_empty as page_aligned_empty
+from kvoffload.hostcopy import run_queue as run_queue
+from kvoffload.hostcopy import worth_choosing
 from kvoffload.layout import KVLayout
-
-PAGE: Final = 4096
 
 SERIAL_ELEMS: Final = 32768
 """ATen's ``at::internal::GRAIN_SIZE``. On the host, ``index_select`` of rows of ``e``
@@ -85,10 +85,6 @@ per layer at 16-byte elements) with one numpy row copy per block instead. Were a
 release to change the constant, the queue's calls would only go parallel again: slower
 under load, never wrong."""
 
-QUEUE_MIN_BYTES: Final = 4 * 2**20
-"""Host batches from this size choose between the team and the queue strategies;
-smaller ones take the team's per-layer ops (a helper thread costs tens of us to wake)."""
-
 _TASK_BYTES: Final = 4 * 2**20
 """About the bytes one numpy call of the queue moves."""
 
@@ -96,136 +92,6 @@ _DEVICE_WIDTHS: Final = ((8, torch.int64), (4, torch.int32), (2, torch.int16))
 # Host rows are only ever copied (memcpy, element copies, numpy as int64), so a 16-byte
 # element is just a wider unit; on a GPU the int64 kernels stay as they were validated.
 _HOST_WIDTHS: Final = ((16, torch.complex128), *_DEVICE_WIDTHS)
-
-_helper_lock = threading.Lock()
-_helper: ThreadPoolExecutor | None = None
-
-
-def page_aligned_empty(n: int, row_bytes: int, *, pin_memory: bool = False) -> torch.Tensor:
-    """``uint8 [n, row_bytes]`` starting on a page boundary.
-
-    Disk tiers using ``O_DIRECT`` can then read and write the rows in place (when
-    ``row_bytes`` is a multiple of the page) instead of through a bounce buffer.
-    """
-    raw = torch.empty(n * row_bytes + PAGE, dtype=torch.uint8, pin_memory=pin_memory)
-    skip = -raw.data_ptr() % PAGE
-    return raw[skip : skip + n * row_bytes].view(n, row_bytes)
-
-
-def byte_view(t: torch.Tensor) -> memoryview:
-    """Zero-copy ``memoryview`` of a contiguous CPU tensor's bytes (for ``os.pwritev``,
-    hashing and file writes)."""
-    arr: Any = t.numpy()
-    return memoryview(arr).cast("B")
-
-
-def run_queue(batches: Iterable[Sequence[Callable[[], object]]]) -> None:
-    """Run independent host copy calls on the calling thread and one helper thread.
-
-    Each call must release the GIL while it copies (torch ops and numpy copies do). Both
-    threads pop from one queue, so a thread the OS pauses holds up only the call it is
-    in. The helper is woken as soon as the first batch is queued: waking it takes 1-5 ms,
-    time the caller spends queueing the other batches. The caller never depends on the
-    helper: if it is busy with another transfer, the caller empties the queue itself and
-    withdraws the request.
-    """
-    queue: deque[Callable[[], object]] = deque()
-    future: Future[None] | None = None
-    try:
-        for batch in batches:
-            queue.extend(batch)
-            if future is None and len(queue) > 1:
-                future = _copy_helper().submit(_drain, queue)
-        _drain(queue)
-    finally:
-        queue.clear()  # after an error: the helper stops at its current call
-        if future is not None and not future.cancel():
-            future.result()  # wait for the helper's last call; re-raise its error
-
-
-def worth_choosing(nbytes: int) -> bool:
-    """Whether a host batch of ``nbytes`` picks between the team and the queue (see the
-    module docstring): large enough, and torch allowed more than one thread."""
-    return nbytes >= QUEUE_MIN_BYTES and torch.get_num_threads() > 1
-
-
-def _drain(queue: deque[Callable[[], object]]) -> None:
-    while True:
-        try:
-            task = queue.popleft()  # atomic: the two threads never get the same task
-        except IndexError:
-            return
-        task()
-
-
-def _forget_helper() -> None:
-    """In a forked child the helper thread does not exist: start a new one on demand."""
-    global _helper, _helper_lock
-    _helper, _helper_lock = None, threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_helper)
-
-
-def _copy_helper() -> ThreadPoolExecutor:
-    """The process's one helper thread for host copies (created on first use)."""
-    global _helper
-    with _helper_lock:
-        if _helper is None:
-            _helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvoffload-copy")
-        return _helper
-
-
-class Chooser:
-    """Keeps the faster of the host strategies (0: team, 1: queue) by timing them.
-
-    A strategy's speed is the best of its last :attr:`KEEP` timings: on a shared machine
-    noise only ever adds time (the reason ``bench_cpu`` keeps best times too), and the
-    first batch also pays for first-touch page faults. Each strategy is timed on one of
-    the first two batches; then the faster runs, and the other is timed again after 2
-    batches, then after 4, 8, ... up to :attr:`MAX_GAP` while it keeps losing (back to 2
-    when it wins), so a change of load is noticed without paying the slower strategy
-    often. Races between two threads only blur the bookkeeping: both strategies write
-    the same bytes.
-    """
-
-    KEEP: ClassVar[int] = 3
-    MAX_GAP: ClassVar[int] = 64
-
-    def __init__(self) -> None:
-        self.rates: tuple[deque[float], deque[float]] = (
-            deque(maxlen=self.KEEP),
-            deque(maxlen=self.KEEP),
-        )  # bytes/s of each strategy's latest batches
-        self.best = 0
-        self._gap = 2  # batches between timings of the other strategy
-        self._left = 2  # batches until the next one
-
-    def pick(self) -> int:
-        for choice, rates in enumerate(self.rates):
-            if not rates:
-                return choice
-        return 1 - self.best if self._left <= 0 else self.best
-
-    def record(self, choice: int, rate: float) -> None:
-        self.rates[choice].append(rate)
-        team, queue = self.rates
-        if not team or not queue:
-            return
-        probed = self._left <= 0 and choice != self.best
-        self.best = 0 if max(team) >= max(queue) else 1
-        if probed:
-            self._gap = 2 if self.best == choice else min(2 * self._gap, self.MAX_GAP)
-            self._left = self._gap
-        else:
-            self._left -= 1
-
-    def run(self, nbytes: int, team: Callable[[], object], queue: Callable[[], object]) -> None:
-        choice = self.pick()
-        start = time.perf_counter()
-        (queue if choice else team)()
-        self.record(choice, nbytes / max(time.perf_counter() - start, 1e-9))
 
 
 def _select(rows: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
@@ -241,19 +107,6 @@ def _copy_rows(
 ) -> None:
     for row, block in enumerate(block_ids, first):
         dst[row] = src[block]
-
-
-def _assign(dst: npt.NDArray[Any], index: npt.NDArray[np.int64], src: npt.NDArray[Any]) -> None:
-    dst[index] = src
-
-
-def _numpy(t: torch.Tensor) -> npt.NDArray[Any]:
-    """``t``'s memory as a numpy array, 16-byte elements as int64 pairs (numpy then
-    copies plain integers: bit-exact whatever the bytes)."""
-    if t.dtype == torch.complex128:
-        t = t.view(torch.int64)
-    arr: npt.NDArray[Any] = t.detach().numpy()
-    return arr
 
 
 class BlockPool:
@@ -409,6 +262,31 @@ class BlockPool:
         else:
             self._scatter_team(index, src)
 
+    # -- device side (the data path's CUDA jobs) -----------------------------------
+    def device_index(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """Block ids as an int64 index on the pool's device, checked on the host and
+        uploaded from pinned memory on the current stream: no device synchronisation
+        (a pageable upload, or a range check on the device, would wait for the
+        model's queued kernels)."""
+        self._check_ids(block_ids)
+        host = torch.tensor(block_ids, dtype=torch.int64)
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+    def pack(self, index: torch.Tensor, out: torch.Tensor) -> None:
+        """Pack the blocks ``index`` (from :meth:`device_index`) into ``out``, a ``uint8
+        [n, bytes_per_block]`` buffer on the pool's device; queued on the current
+        stream."""
+        self._check_buffer(out, index.numel())
+        self._gather_team(index, out)
+
+    def unpack(self, index: torch.Tensor, src: torch.Tensor) -> None:
+        """Unpack ``src`` (on the pool's device) into the blocks ``index``; queued on the
+        current stream."""
+        self._check_buffer(src, index.numel())
+        self._scatter_team(index, src)
+
     # -- strategies ---------------------------------------------------------------
     def _choosing(self, nbytes: int) -> bool:
         return self._host and worth_choosing(nbytes)
@@ -522,10 +400,15 @@ class BlockPool:
         return col.view(buf.shape[0], *self.layer_shapes[layer])
 
     def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
-        index = torch.as_tensor(block_ids, dtype=torch.int64, device=self.device)
-        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= self.num_blocks):
+        if self.device.type == "cuda":
+            return self.device_index(block_ids)
+        self._check_ids(block_ids)
+        return torch.as_tensor(block_ids, dtype=torch.int64)
+
+    def _check_ids(self, block_ids: Sequence[int]) -> None:
+        """Range check on the host (a check on the device would synchronise it)."""
+        if len(block_ids) and (min(block_ids) < 0 or max(block_ids) >= self.num_blocks):
             raise IndexError(f"block ids must be in 0..{self.num_blocks - 1}")
-        return index
 
     def _check_id(self, block_id: int) -> None:
         if not 0 <= block_id < self.num_blocks:

@@ -44,12 +44,13 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
 import torch
 
-from kvoffload.blockpool import BlockPool, page_aligned_empty
+from kvoffload.blockpool import BlockPool
 from kvoffload.config import KVOffloadConfig, TierConfig
+from kvoffload.datapath import DataPath, Piece, groups
 from kvoffload.exceptions import BackendError
 from kvoffload.keys import BlockKey
 from kvoffload.layout import KVLayout
@@ -73,8 +74,8 @@ of consecutive slots however scattered; smaller ones only when the groups are fe
 COPY_THREADS: Final = 2
 """Threads draining a lower tier's store lane. Its jobs are independent copies into
 distinct slots, so two may run at once: one's fdatasync and bookkeeping overlap the
-other's I/O, and the disk sees twice the queue depth (the first tier keeps one
-thread: the engine's stores stay FIFO)."""
+other's I/O, and the disk sees twice the queue depth. The first tier has one per
+lane on a host pool and two on a GPU pool (see ``Offloader.__init__``)."""
 
 
 @dataclass
@@ -201,44 +202,11 @@ class _Write:
     evicted: list[tuple[BlockKey, int]] = field(default_factory=list)
     """Blocks this write's slots held, to be read first and demoted (``on_evict``)."""
     submitted: float = 0.0
+    after: Any = None
+    """The engine's event to wait for before reading its blocks (CUDA; see
+    :meth:`DataPath.mark`)."""
     corrupt: list[BlockKey] = field(default_factory=list)
     """Source blocks the read found invalid: dropped from ``src_tier`` when settled."""
-
-
-class _Buffers:
-    """Reusable page-aligned (pinned under CUDA) staging buffers, so that a transfer
-    does not pay page faults on fresh memory every time. Thread-safe."""
-
-    KEEP_BYTES: Final = 512 * 1024**2
-    """Free buffers kept for reuse, in bytes; beyond it they go back to the allocator."""
-
-    def __init__(self, bytes_per_block: int, *, pin_memory: bool) -> None:
-        self.bpb = bytes_per_block
-        self.pin = pin_memory
-        self._free: list[torch.Tensor] = []  # sorted by rows, smallest first
-        self._lent: dict[int, torch.Tensor] = {}  # data_ptr -> whole buffer
-        self._lock = threading.Lock()
-
-    def acquire(self, n: int) -> torch.Tensor:
-        """A ``uint8 [n, bytes_per_block]`` page-aligned view; give it back with
-        :meth:`release`."""
-        with self._lock:
-            for i, whole in enumerate(self._free):
-                if whole.shape[0] >= n:
-                    del self._free[i]
-                    break
-            else:
-                whole = page_aligned_empty(max(n, 16), self.bpb, pin_memory=self.pin)
-            self._lent[whole.data_ptr()] = whole
-        return whole[:n]
-
-    def release(self, view: torch.Tensor) -> None:
-        with self._lock:
-            whole = self._lent.pop(view.data_ptr())
-            kept = sum(b.numel() for b in self._free)
-            if kept + whole.numel() <= self.KEEP_BYTES:
-                self._free.append(whole)
-                self._free.sort(key=lambda b: b.shape[0])
 
 
 class Offloader:
@@ -270,7 +238,8 @@ class Offloader:
         self._loads_done = threading.Condition(self._lock)
         self._loads_active = 0
         self._hit_counts: OrderedDict[BlockKey, int] = OrderedDict()
-        self._buffers = _Buffers(self.bpb, pin_memory=torch.cuda.is_available())
+        self._data = DataPath(self.bpb, pool)
+        self._buffers = self._data.buffers
         self._job_seconds = [0.0] * len(self.tiers)  # moving average per store job
         self._closed = False
         # Prefetches (see ``claim``): keys in flight to the first tier, owners waiting,
@@ -298,7 +267,11 @@ class Offloader:
                     TransferWorker(
                         max_inflight_stores=cfg.max_pending_stores,
                         max_inflight_loads=MAX_INFLIGHT_LOADS,
-                        store_threads=1 if not self._workers else COPY_THREADS,
+                        # The first tier: one thread on a host pool (its copies use
+                        # both cores already), two on a GPU, so that one job's Python
+                        # runs while the other's copies are on the bus.
+                        store_threads=COPY_THREADS if self._workers or self._data.cuda else 1,
+                        load_threads=COPY_THREADS if not self._workers and self._data.cuda else 1,
                         name=f"kvoffload-{cfg.name}",
                     )
                 )
@@ -340,6 +313,7 @@ class Offloader:
                 pool_ids=[pool_ids[row[k]] for k in out.keys_to_store],
                 evicted=list(zip(out.evicted, out.evicted_slots, strict=True)),
                 submitted=now,
+                after=self._data.mark(),
             )
             job = self._workers[0].submit_store(lambda: self._run_write(write))
             if job is None:  # only when shut down: _accepts checked the depth
@@ -386,7 +360,8 @@ class Offloader:
             if plan.settled:
                 raise ValueError("submit_load: this plan was already submitted or cancelled")
             self._loads_active += 1
-            job = self._workers[0].submit_load(lambda: self._run_load(plan, ids, now))
+            after = self._data.mark()
+            job = self._workers[0].submit_load(lambda: self._run_load(plan, ids, now, after))
             if job is None:
                 self._loads_active -= 1
                 self._settle_load(plan, valid=0, corrupt={})
@@ -686,8 +661,13 @@ class Offloader:
 
     # -- the store path (job bodies run on lane threads) -------------------------------
     def _run_write(self, w: _Write) -> int:
-        """Fill a buffer from the write's source, read out what it displaces, write the
-        tier, then settle the books and queue the next tier's copies."""
+        """Fill the tier from the write's source, after reading out what it displaces;
+        then settle the books and queue the next tier's copies.
+
+        One copy where the tier or the source is plain memory (:meth:`_pieces`): the
+        engine's blocks are gathered straight into the tier's rows, a prefetch reads
+        straight into them, and a copy down reads straight out of the tier above.
+        Otherwise the bytes go through one staging buffer."""
         tier, bpb = self.tiers[w.tier], self.bpb
         n = len(w.keys)
         buf = w.buf
@@ -697,11 +677,49 @@ class Offloader:
         try:
             if n and self.tiers[w.tier].backend.persistent and w.tier > 0:
                 self._yield_to_loads()
+            into = self._pieces(w.tier, w.slots) if buf is None and n else None
+            src_tier = w.src_tier if w.pool_ids is None else None
+            out_of = (
+                self._pieces(src_tier, w.src_slots)
+                if buf is None and n and into is None and src_tier is not None
+                else None
+            )
+            if into is not None:
+                # Straight into the tier's rows: read out what they hold first.
+                if w.evicted:
+                    demote_buf = self._read_evicted(w)
+                t0 = time.perf_counter()
+                if w.pool_ids is not None:
+                    self._data.pack(w.pool_ids, into, w.after)
+                else:
+                    assert w.src_tier is not None
+                    assert w.src_slots is not None
+                    got = self._read_pieces(w.src_tier, w.src_slots, w.keys, into)
+                    ok = got if got is not None else [False] * n
+                    if got is not None:
+                        w.corrupt = [k for k, good in zip(w.keys, got, strict=True) if not good]
+                with self._lock:
+                    self.stats[w.tier].write_seconds += time.perf_counter() - t0
+                written = True
+                return sum(ok) * bpb
+            if out_of is not None:
+                # Straight out of the tier above's rows (pinned there by this write).
+                if w.evicted:
+                    demote_buf = self._read_evicted(w)
+                t0 = time.perf_counter()
+                for pos, rows in out_of:
+                    count = rows.shape[0]
+                    tier.backend.write(w.slots[pos : pos + count], w.keys[pos : pos + count], rows)
+                seconds = time.perf_counter() - t0
+                seconds += self._throttle(w.tier, n * bpb, seconds)
+                with self._lock:
+                    self.stats[w.tier].write_seconds += seconds
+                written = True
+                return n * bpb
             if buf is None and n:
                 buf = self._buffers.acquire(n)
                 if w.pool_ids is not None:
-                    assert self.pool is not None
-                    self.pool.gather(w.pool_ids, buf)
+                    self._data.pack(w.pool_ids, [(0, buf)], w.after)
                 else:
                     assert w.src_tier is not None
                     assert w.src_slots is not None
@@ -736,6 +754,41 @@ class Offloader:
             if buf is not None and n and not handed_on:
                 self._buffers.release(buf)
         return sum(ok) * bpb
+
+    def _pieces(self, t: int | None, slots: Sequence[int] | None) -> list[Piece] | None:
+        """Tier ``t``'s ``slots`` as rows of its memory, one piece per run of
+        consecutive slots; ``None`` when the tier is not plain memory, or (small blocks
+        on a host pool) when the runs are so many that one call per run would cost more
+        than one staging copy."""
+        if t is None or not slots:
+            return None
+        backend = self.tiers[t].backend
+        if backend.rows(slots[0], 1) is None:
+            return None
+        runs = groups(slots)
+        few = len(runs) <= max(1, len(slots) // 8)
+        if not (few or self._data.cuda or self.bpb >= DIRECT_MIN_BYTES):
+            return None
+        pieces: list[Piece] = []
+        for pos, first, count in runs:
+            rows = backend.rows(first, count)
+            assert rows is not None
+            pieces.append((pos, rows))
+        return pieces
+
+    def _read_pieces(
+        self, t: int, slots: Sequence[int], keys: Sequence[BlockKey], into: Sequence[Piece]
+    ) -> list[bool] | None:
+        """Read ``slots`` of tier ``t`` straight into ``into``'s rows: per-block
+        validity, or ``None`` after an I/O error (as :meth:`_read`)."""
+        ok: list[bool] = []
+        for pos, rows in into:
+            count = rows.shape[0]
+            got = self._read(t, slots[pos : pos + count], keys[pos : pos + count], rows)
+            if got is None:
+                return None
+            ok.extend(got)
+        return ok
 
     def _read_evicted(self, w: _Write) -> torch.Tensor | None:
         """Read the blocks a write displaces, for ``on_evict`` demotion; ``None`` if the
@@ -971,45 +1024,48 @@ class Offloader:
                 stats.seconds += time.perf_counter() - t0
         return nbytes
 
-    def _run_load(self, plan: LoadPlan, pool_ids: list[int], submitted: float) -> int:
+    def _run_load(
+        self, plan: LoadPlan, pool_ids: list[int], submitted: float, after: Any = None
+    ) -> int:
+        """Job body: read the plan's lower-tier runs into one staging buffer (checking
+        each block), then copy the valid prefix into the pool in one go: memory-tier
+        runs straight from their rows, the rest from the buffer."""
         n = plan.hits
         buf: torch.Tensor | None = None
         corrupt: dict[int, list[BlockKey]] = {}
         valid = 0
         handed_on = False
-        pool = self.pool
-        assert pool is not None or not n
         try:  # everything after the plan was pinned: the finally settles it
-            direct = [self._direct(run) for run in plan.runs]
+            direct = [self._pieces(run.tier, run.slots) for run in plan.runs]
             in_buf = [False] * n  # positions read into the staging buffer
-            for run, groups in zip(plan.runs, direct, strict=True):
-                if groups is None:
+            for run, pieces in zip(plan.runs, direct, strict=True):
+                if pieces is None:
                     in_buf[run.start : run.stop] = [True] * (run.stop - run.start)
             buf = self._buffers.acquire(n) if any(in_buf) else None
-            if n:
-                for run, groups in zip(plan.runs, direct, strict=True):
-                    keys = plan.keys[run.start : run.stop]
-                    if groups is not None:  # one copy: the tier's memory -> the pool
-                        if not self._scatter_direct(run, groups, pool_ids):
-                            break
-                        valid = run.stop
-                        continue
-                    assert buf is not None
-                    part = self._read(run.tier, run.slots, keys, buf[run.start : run.stop])
-                    if part is None:
-                        break  # an I/O error: the prefix ends here
-                    bad = [k for k, good in zip(keys, part, strict=True) if not good]
-                    good_stop = run.start + part.index(False) if bad else run.stop
-                    if good_stop > run.start:
-                        assert pool is not None
-                        lo, hi = run.start, good_stop
-                        pool.scatter(pool_ids[lo:hi], buf[lo:hi])
-                    valid = good_stop
-                    if bad:
-                        corrupt.setdefault(run.tier, []).extend(bad)
-                        break
-                if buf is not None:
-                    handed_on = self._promote(plan, buf, valid, in_buf)
+            copies: list[Piece] = []
+            from_memory: list[tuple[int, int]] = []  # (tier, blocks) copied from rows
+            for run, pieces in zip(plan.runs, direct, strict=True):
+                if pieces is not None:  # one copy: the tier's memory -> the pool
+                    copies.extend((run.start + pos, rows) for pos, rows in pieces)
+                    from_memory.append((run.tier, run.stop - run.start))
+                    valid = run.stop
+                    continue
+                assert buf is not None
+                keys = plan.keys[run.start : run.stop]
+                part = self._read(run.tier, run.slots, keys, buf[run.start : run.stop])
+                if part is None:
+                    break  # an I/O error: the prefix ends here
+                bad = [k for k, good in zip(keys, part, strict=True) if not good]
+                good_stop = run.start + part.index(False) if bad else run.stop
+                if good_stop > run.start:
+                    copies.append((run.start, buf[run.start : good_stop]))
+                valid = good_stop
+                if bad:
+                    corrupt.setdefault(run.tier, []).extend(bad)
+                    break
+            valid = self._copy_in(plan, pool_ids, copies, valid, from_memory, after)
+            if buf is not None:
+                handed_on = self._promote(plan, buf, valid, in_buf)
         finally:
             with self._lock:
                 self._loads_active -= 1
@@ -1021,49 +1077,34 @@ class Offloader:
                 self._buffers.release(buf)
         return valid * self.bpb
 
-    def _direct(self, run: _Run) -> list[tuple[int, int, int]] | None:
-        """How to copy ``run`` straight from its tier's memory into the pool: groups of
-        (position in the plan, first slot, count) of consecutive slots; ``None`` when
-        the tier is not addressable memory, or its slots are so scattered that per-group
-        calls would cost more than one staging copy (small blocks only)."""
-        backend = self.tiers[run.tier].backend
-        if not run.slots or backend.rows(run.slots[0], 1) is None:
-            return None
-        groups: list[tuple[int, int, int]] = []
-        for i, slot in enumerate(run.slots):
-            if groups and slot == groups[-1][1] + groups[-1][2]:
-                pos, first, count = groups[-1]
-                groups[-1] = (pos, first, count + 1)
-            else:
-                groups.append((run.start + i, slot, 1))
-        if self.bpb < DIRECT_MIN_BYTES and len(groups) > max(1, len(run.slots) // 8):
-            return None
-        return groups
-
-    def _scatter_direct(
-        self, run: _Run, groups: list[tuple[int, int, int]], pool_ids: list[int]
-    ) -> bool:
-        """Copy ``run``'s slots into the pool, group by group; ``False`` on an error
-        (the prefix ends before this run, as after an I/O error)."""
-        assert self.pool is not None
-        tier = self.tiers[run.tier]
+    def _copy_in(
+        self,
+        plan: LoadPlan,
+        pool_ids: list[int],
+        copies: list[Piece],
+        valid: int,
+        from_memory: list[tuple[int, int]],
+        after: Any,
+    ) -> int:
+        """Copy the pieces of the valid prefix into the pool; the prefix loaded (0 when
+        the copy failed: the pool blocks' contents are then undefined)."""
+        if not valid:
+            return 0
+        copies = [(pos, rows[: max(0, valid - pos)]) for pos, rows in copies if pos < valid]
         t0 = time.perf_counter()
         try:
-            for pos, first, count in groups:
-                src = tier.backend.rows(first, count)
-                assert src is not None
-                self.pool.scatter(pool_ids[pos : pos + count], src)
+            self._data.unpack(pool_ids[:valid], copies, after)
         except (BackendError, RuntimeError, IndexError) as exc:
-            logger.warning(
-                "tier %s: load of %d blocks failed (%s); a miss", tier.name, len(run.slots), exc
-            )
-            return False
-        seconds = time.perf_counter() - t0
-        with self._lock:
-            stats = self.stats[run.tier]
-            stats.read_seconds += seconds
-            stats.bytes_read += len(run.slots) * self.bpb
-        return True
+            logger.warning("load of %d blocks failed (%s); a miss", valid, exc)
+            return 0
+        if from_memory:
+            seconds = (time.perf_counter() - t0) / len(from_memory)
+            with self._lock:
+                for t, count in from_memory:
+                    stats = self.stats[t]
+                    stats.read_seconds += seconds
+                    stats.bytes_read += count * self.bpb
+        return valid
 
     def _promote(self, plan: LoadPlan, buf: torch.Tensor, valid: int, in_buf: list[bool]) -> bool:
         """Queue the write of the valid promoted blocks into their reserved first-tier

@@ -24,7 +24,9 @@ write of a slot land before an earlier one). The one exception is opt-in:
 ``store_threads=N`` drains the store lane with N threads, for owners whose store jobs
 are independent of each other (the Offloader's copies into a disk tier, each into its
 own slots): jobs then start in order but may finish out of order, and N of them keep
-the disk's queue N times deeper. Stores and loads have separate lanes, so
+the disk's queue N times deeper. ``load_threads=N`` does the same for loads whose jobs
+are independent (each into its own blocks): on a GPU, one job's bookkeeping then runs
+while the other's copies are on the bus. Stores and loads have separate lanes, so
 a load, which the engine is waiting for, never queues behind a burst of stores, which
 nobody is waiting for.
 
@@ -36,12 +38,10 @@ and a future per job for no concurrency gained. The asyncio face (``run_*``) is 
 bridge for callers who live in a loop: the job still runs on the lane thread, and its
 result is passed back with ``loop.call_soon_threadsafe``.
 
-CUDA: this module does not touch streams or events, and nothing here is faked. The
-hook is the job itself: on a GPU worker, ``fn`` issues its device<->host copies on
-its own (per-lane) CUDA stream, into pinned staging buffers, and synchronizes that
-stream (or an event recorded on it) before returning, so that "finished" means the
-bytes have landed. Because each lane is one thread, a lane can keep one stream for all
-its jobs and copies stay ordered on it.
+CUDA: this module does not touch streams or events. The hook is the job itself: on a
+GPU worker, ``fn`` queues its device<->host copies on its direction's CUDA stream
+(:mod:`kvoffload.datapath`) and waits for an event recorded after them before
+returning, so that "finished" means the bytes have landed.
 """
 
 from __future__ import annotations
@@ -162,12 +162,14 @@ class TransferWorker:
         max_inflight_stores: int = 64,
         max_inflight_loads: int = 64,
         store_threads: int = 1,
+        load_threads: int = 1,
         name: str = "kvoffload-transfer",
     ) -> None:
         for arg, value in (
             ("max_inflight_stores", max_inflight_stores),
             ("max_inflight_loads", max_inflight_loads),
             ("store_threads", store_threads),
+            ("load_threads", load_threads),
         ):
             if value < 1:
                 raise ValueError(f"TransferWorker: {arg} = {value}; it must be at least 1")
@@ -188,7 +190,7 @@ class TransferWorker:
         }
         try:
             for lane in self._lanes.values():
-                for k in range(store_threads if lane.direction == "store" else 1):
+                for k in range(store_threads if lane.direction == "store" else load_threads):
                     # Daemon: a worker the owner forgot to shut down must not keep the
                     # process alive. Stores interrupted that way are torn writes, which
                     # the disk tiers' checksummed headers already reject on reopen.

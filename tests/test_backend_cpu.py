@@ -36,7 +36,7 @@ def test_pin_memory_without_cuda_falls_back_with_a_warning(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     if torch.cuda.is_available():
-        pytest.fail("this test covers the CPU-only path; run it on a machine without CUDA")
+        pytest.skip("covers the CPU-only path: with CUDA, pin_memory pins")
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, block_size=2)
     be = CPUBackend(CPUTierConfig(name="c", capacity=1 << 16, pin_memory=True), layout)
     assert be.pinned is False
