@@ -111,7 +111,7 @@ class DataPath:
         if self.cuda:
             assert pool is not None
             for lane in ("store", "load"):
-                self._streams[lane] = torch.cuda.Stream(device=pool.device)
+                self._streams[lane] = torch.cuda.Stream(device=pool.device)  # type: ignore[no-untyped-call]
 
     # -- engine thread -----------------------------------------------------------------
     def mark(self) -> Any:

@@ -182,7 +182,7 @@ def host_rows(n: int, row_bytes: int, *, pin: bool) -> torch.Tensor:
     rows = page_aligned_empty(n, row_bytes)
     rows.zero_()  # torch's threads fault the pages in
     if pin:
-        err = torch.cuda.cudart().cudaHostRegister(rows.data_ptr(), nbytes, 0)
+        err = torch.cuda.cudart().cudaHostRegister(rows.data_ptr(), nbytes, 0)  # type: ignore[no-untyped-call]
         if int(err) != 0:
             logger.warning("cudaHostRegister of %d bytes failed (%s); slab not pinned", nbytes, err)
     return rows
@@ -191,7 +191,7 @@ def host_rows(n: int, row_bytes: int, *, pin: bool) -> torch.Tensor:
 def unpin(rows: torch.Tensor) -> None:
     """Undo :func:`host_rows`' registration (nothing for memory it did not register)."""
     if rows.numel() >= REGISTER_MIN_BYTES and torch.cuda.is_available():
-        torch.cuda.cudart().cudaHostUnregister(rows.data_ptr())
+        torch.cuda.cudart().cudaHostUnregister(rows.data_ptr())  # type: ignore[no-untyped-call]
 
 
 def select(rows: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:

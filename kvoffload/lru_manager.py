@@ -51,6 +51,17 @@ class LRUOffloadingManager(OffloadingManager):
     def state(self, key: BlockKey) -> BlockState | None:
         return self.policy.get(key)
 
+    def ready(self, key: BlockKey) -> bool:
+        state = self.policy.get(key)
+        return state is not None and state.ref_cnt >= 0
+
+    def holds(self, key: BlockKey) -> bool:
+        return self.policy.get(key) is not None
+
+    def idle(self, key: BlockKey) -> bool:
+        state = self.policy.get(key)
+        return state is not None and state.ref_cnt == 0
+
     def pinned(self) -> int:
         """Blocks pinned by loads now (``ref_cnt > 0``); O(blocks), for health checks."""
         return sum(1 for _, state in self.policy.items() if state.ref_cnt > 0)

@@ -82,3 +82,33 @@ class OffloadingManager(ABC):
     @abstractmethod
     def take_events(self) -> list[OffloadingEvent]:
         """Drain the stored / removed events recorded since the last call."""
+
+    # -- queries the Offloader's books plan with -------------------------------------
+    @property
+    @abstractmethod
+    def capacity(self) -> int:
+        """Blocks this tier can hold."""
+
+    @abstractmethod
+    def ready(self, key: BlockKey) -> bool:
+        """Whether ``key`` is held and loadable (stored, not being written)."""
+
+    @abstractmethod
+    def holds(self, key: BlockKey) -> bool:
+        """Whether ``key`` is held at all: ready, or being written."""
+
+    @abstractmethod
+    def idle(self, key: BlockKey) -> bool:
+        """Whether ``key`` is ready and pinned by no load (so it may be removed)."""
+
+    @abstractmethod
+    def pinned(self) -> int:
+        """Blocks pinned by loads now (for health checks)."""
+
+    @abstractmethod
+    def remove(self, keys: Sequence[BlockKey]) -> list[int]:
+        """Drop idle blocks for good (found corrupt); their freed slots."""
+
+    @abstractmethod
+    def check(self) -> list[str]:
+        """Consistency problems of the books (empty when consistent)."""

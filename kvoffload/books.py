@@ -1,0 +1,800 @@
+"""The Offloader's books: what moves where, decided under one lock, on keys and slots.
+
+The Offloader's rule is that its lock is held for bookkeeping only, never while bytes
+move. This module is that bookkeeping on its own: planning loads and stores, admission
+(``admit_after_hits``), backpressure (``max_pending_stores``, ``max_store_delay_ms``),
+the cascade into lower tiers (``write_through``, ``on_evict``), verified claims and
+their prefetches, and the counters. It sees tiers only through
+:class:`~kvoffload.manager.OffloadingManager` and does not import torch: what it decides
+comes out as *orders* (a :class:`Write` into a tier, a :class:`LoadPlan`) for the data
+path to carry out, and their outcomes come back to be settled here. Data flows one way:
+books -> orders -> data path -> outcomes -> books. So cascade and admission can be
+tested on plain keys, with no thread and no tensor (``tests/test_books.py``).
+
+Every public method takes the lock itself, and is one transaction.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from kvoffload.config import TierConfig
+from kvoffload.keys import BlockKey
+from kvoffload.manager import OffloadingManager
+
+LATENCY_SAMPLES: Final = 100_000
+"""Latency samples kept per tier and direction (the most recent ones)."""
+LOAD_PRIORITY_WAIT_S: Final = 0.02
+"""Longest a copy into a persistent tier waits for in-flight loads to finish."""
+HIT_COUNTS: Final = 1 << 20
+"""Keys whose load count the admission filter remembers (least recent forgotten)."""
+
+
+@dataclass
+class TierStats:
+    """Counters of one tier since the Offloader started (read under its lock)."""
+
+    name: str
+    backend: str
+    capacity_blocks: int
+    write_policy: str
+    hits: int = 0
+    """Blocks loaded from this tier (the fastest tier holding each)."""
+    misses: int = 0
+    """Requested blocks this tier did not serve: found lower down, or nowhere."""
+    blocks_stored: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    write_seconds: float = 0.0
+    read_seconds: float = 0.0
+    evictions: int = 0
+    dropped_stores: int = 0
+    """Blocks not stored because this tier's store queue was full or too slow."""
+    rejected_stores: int = 0
+    """Blocks not stored because no room could be made (every candidate pinned)."""
+    not_admitted: int = 0
+    """Blocks kept out by ``admit_after_hits``."""
+    store_errors: int = 0
+    """Blocks whose write raised (an I/O error): not stored."""
+    corrupt_blocks: int = 0
+    """Blocks a load found invalid (checksum, key or layout): dropped, served as misses."""
+    promotions: int = 0
+    """Blocks copied up into this tier by a load (first tier only)."""
+    store_latency_s: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_SAMPLES))
+    """Submit-to-done time of store jobs into this tier."""
+    load_latency_s: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_SAMPLES))
+    """Submit-to-done time of loads whose slowest tier was this one."""
+
+
+@dataclass
+class PrefetchStats:
+    """Counters of the prefetches that :meth:`Books.claim` runs (read under the
+    lock)."""
+
+    prefetched: int = 0
+    """Blocks read from a lower tier, verified, and written into the first tier."""
+    hits: int = 0
+    """Prefetched blocks later loaded into the engine."""
+    wasted: int = 0
+    """Prefetched blocks that left the first tier unloaded, and blocks of prefetches
+    cancelled before they ran."""
+    failed: int = 0
+    """Blocks a prefetch could not bring up: corrupt (also counted in the tier's
+    ``corrupt_blocks``), unreadable, or no room in the first tier."""
+    seconds: float = 0.0
+    """Wall time of prefetch jobs, from start to verified landing."""
+
+
+@dataclass(slots=True)
+class Run:
+    """Consecutive prefix positions ``[start, stop)`` held by one tier."""
+
+    tier: int
+    start: int
+    stop: int
+    slots: list[int]
+
+
+@dataclass
+class LoadPlan:
+    """A pinned load: what :meth:`Books.plan_load` or :meth:`Books.claim` found and
+    reserved. Hand it to ``Offloader.submit_load``, or give it back with
+    ``Offloader.cancel_load``; until then its blocks cannot be evicted."""
+
+    keys: list[BlockKey]
+    """The held prefix (``len(keys)`` is the hit length)."""
+    runs: list[Run]
+    requested: int
+    """Keys asked for (the prefix, then the first miss and everything after it)."""
+    promote_keys: list[BlockKey] = field(default_factory=list)
+    promote_slots: list[int] = field(default_factory=list)
+    promote_evicted: list[tuple[BlockKey, int]] = field(default_factory=list)
+    """First-tier blocks evicted to make room for the promotions (for ``on_evict``)."""
+    settled: bool = False
+
+    @property
+    def hits(self) -> int:
+        return len(self.keys)
+
+
+@dataclass(slots=True)
+class Write:
+    """An order: write ``keys`` into ``slots`` of ``tier``. Where the bytes come from,
+    and what the slots held before."""
+
+    tier: int
+    keys: list[BlockKey]
+    slots: list[int]
+    pool_ids: list[int] | None = None
+    """Source: these pool blocks (an engine store)."""
+    src_tier: int | None = None
+    src_slots: list[int] | None = None
+    """Source: these slots of ``src_tier``, pinned by this write (write-through)."""
+    buf: Any = None
+    """Source: a staging buffer the data path owns (demotion, promotion, write-through
+    from the bytes just written), released by the write."""
+    rows: list[int] | None = None
+    """For an order whose ``buf`` the data path still has to cut: the rows of the
+    source buffer that hold ``keys``, in order."""
+    evicted: list[tuple[BlockKey, int]] = field(default_factory=list)
+    """Blocks this write's slots held, to be read first and demoted (``on_evict``)."""
+    demote: bool = False
+    """Whether the next tier wants ``evicted`` (read them before overwriting)."""
+    submitted: float = 0.0
+    after: Any = None
+    """The engine's event to wait for before reading its blocks (CUDA)."""
+    corrupt: list[BlockKey] = field(default_factory=list)
+    """Source blocks the read found invalid: dropped from ``src_tier`` when settled."""
+
+
+@dataclass(eq=False)
+class Prefetch:
+    """One prefetch job: a run of blocks copied from a lower tier into first-tier
+    slots reserved for them, verified on the way (the write's source read)."""
+
+    write: Write
+    waiters: set[Hashable] = field(default_factory=set)
+    started: bool = False
+    done: bool = False
+
+
+@dataclass
+class _Claim:
+    """An owner (a request) whose claim waits for prefetches."""
+
+    waits: list[Prefetch] = field(default_factory=list)
+    rounds: int = 0
+
+
+@dataclass(slots=True)
+class Copy:
+    """A cascade order from :meth:`Books.settle_write`: ``write``, whose bytes are
+    the settled write's own buffer (``source="written"``), its demotion buffer
+    (``"demoted"``), or ``write.src_tier`` (``"tier"``)."""
+
+    write: Write
+    source: str
+
+
+class Books:
+    """Bookkeeping of every tier (see the module docstring).
+
+    ``depth(t)`` is the number of store jobs queued or running for tier ``t`` (for
+    backpressure); ``discard(t, slots)`` forgets blocks on tier ``t``'s medium (blocks
+    found corrupt, so a restart does not recover them)."""
+
+    def __init__(
+        self,
+        managers: Sequence[OffloadingManager],
+        configs: Sequence[TierConfig],
+        *,
+        bytes_per_block: int,
+        persistent: Sequence[bool],
+        prefetch_max_inflight: int,
+        depth: Callable[[int], int],
+        discard: Callable[[int, list[int]], None],
+    ) -> None:
+        self.managers = list(managers)
+        self.configs = list(configs)
+        self.bpb = bytes_per_block
+        self.persistent = list(persistent)
+        self._depth = depth
+        self._discard = discard
+        self.lock = threading.Lock()
+        self._loads_done = threading.Condition(self.lock)
+        self._loads_active = 0
+        self._hit_counts: OrderedDict[BlockKey, int] = OrderedDict()
+        self._job_seconds = [0.0] * len(self.managers)  # moving average per store job
+        # Prefetches (see ``claim``): keys in flight to the first tier, owners waiting,
+        # and keys prefetched but not loaded yet (for the hit / wasted counts).
+        self._inflight: dict[BlockKey, Prefetch] = {}
+        self._claims: dict[Hashable, _Claim] = {}
+        self._prefetched: OrderedDict[BlockKey, None] = OrderedDict()
+        self._prefetch_blocks = 0
+        first = self.managers[0].capacity
+        self.prefetch_budget = max(1, min(prefetch_max_inflight // bytes_per_block, first // 2))
+        self.prefetch_stats = PrefetchStats()
+        self.stats = [
+            TierStats(c.name, c.backend, m.capacity, "first" if i == 0 else c.write_policy)
+            for i, (m, c) in enumerate(zip(self.managers, self.configs, strict=True))
+        ]
+
+    # -- lookups and plans ---------------------------------------------------------------
+    def lookup(self, keys: Sequence[BlockKey]) -> int:
+        """Length of the longest prefix of ``keys`` held ready by some tier."""
+        with self.lock:
+            return len(self._locate(keys))
+
+    def plan_store(
+        self, keys: Sequence[BlockKey], pool_ids: Sequence[int], now: float, after: Any = None
+    ) -> Write | None:
+        """The first tier's write of an engine store, slots reserved; ``None`` when the
+        store is dropped (queue full or too slow) or no room could be made (counted)."""
+        with self.lock:
+            if not self._accepts(0, len(keys)):
+                return None
+            out = self.managers[0].prepare_store(keys)
+            if out is None:
+                self.stats[0].rejected_stores += len(keys)
+                return None
+            self.stats[0].evictions += len(out.evicted)
+            self._left_first_tier(out.evicted)
+            row = {k: i for i, k in enumerate(keys)}
+            write = Write(
+                0,
+                out.keys_to_store,
+                out.slots,
+                pool_ids=[pool_ids[row[k]] for k in out.keys_to_store],
+                evicted=list(zip(out.evicted, out.evicted_slots, strict=True)),
+                submitted=now,
+                after=after,
+            )
+            write.demote = self._wants_demotion(write)
+            return write
+
+    def plan_load(self, keys: Sequence[BlockKey]) -> LoadPlan:
+        """Find and pin the longest held prefix of ``keys``, each block in the fastest
+        tier holding it; reserve first-tier slots for the blocks to promote."""
+        with self.lock:
+            located = self._locate(keys)
+            plan = LoadPlan(list(keys[: len(located)]), [], len(keys))
+            for i, t in enumerate(located):
+                if plan.runs and plan.runs[-1].tier == t:
+                    plan.runs[-1].stop = i + 1
+                else:
+                    plan.runs.append(Run(t, i, i + 1, []))
+            for run in plan.runs:
+                run.slots = self.managers[run.tier].prepare_load(plan.keys[run.start : run.stop])
+            lower = [k for k, t in zip(plan.keys, located, strict=True) if t > 0]
+            if lower:
+                out = self.managers[0].prepare_store(lower)
+                if out is not None:  # no room up top: load from below without promoting
+                    plan.promote_keys, plan.promote_slots = out.keys_to_store, out.slots
+                    plan.promote_evicted = list(zip(out.evicted, out.evicted_slots, strict=True))
+                    self.stats[0].evictions += len(out.evicted)
+                    self._left_first_tier(out.evicted)
+            return plan
+
+    def load_submitted(self, plan: LoadPlan) -> None:
+        """A load of ``plan`` is about to be queued: persistent-tier copies yield to it."""
+        with self.lock:
+            if plan.settled:
+                raise ValueError("submit_load: this plan was already submitted or cancelled")
+            self._loads_active += 1
+
+    def cancel_load(self, plan: LoadPlan, *, submitted: bool = False) -> None:
+        """Release a plan that will not be (or could not be) loaded; a miss."""
+        with self.lock:
+            if submitted:
+                self._loads_active -= 1
+                self._loads_done.notify_all()
+            if not plan.settled:
+                self._settle_load(plan, valid=0, corrupt={})
+
+    # -- verified claims ---------------------------------------------------------------
+    def claim(
+        self, owner: Hashable, keys: Sequence[BlockKey]
+    ) -> tuple[LoadPlan | None, list[Prefetch]]:
+        """The claim of ``Offloader.claim`` (see there), and the prefetches it started:
+        the caller queues each on its source tier's load lane (or hands it back with
+        :meth:`prefetch_refused`)."""
+        with self.lock:
+            cl = self._claims.get(owner)
+            if cl is not None and any(not p.done for p in cl.waits):
+                return None, []
+            if cl is None:
+                cl = self._claims[owner] = _Claim()
+            cl.waits = []
+            first = self.managers[0]
+            ready = first.lookup(keys)
+            max_rounds = 2 + -(-len(keys) // self.prefetch_budget)
+            below = len(self.managers) > 1 and not self.persistent[0]
+            if below and cl.rounds < max_rounds:
+                waits, started, starved = self._start_prefetches(keys, ready)
+                if started:
+                    cl.rounds += 1
+                if waits or starved:
+                    cl.waits = waits
+                    for p in waits:
+                        p.waiters.add(owner)
+                    return None, started
+            del self._claims[owner]
+            slots = first.prepare_load(keys[:ready])
+            runs = [Run(0, 0, ready, slots)] if ready else []
+            return LoadPlan(list(keys[:ready]), runs, len(keys)), []
+
+    def prefetch_refused(self, p: Prefetch) -> None:
+        """A prefetch whose job could not be queued: undo it (its owners ask again)."""
+        with self.lock:
+            if p.done:
+                return
+            p.done = True
+            self._prefetch_landed(p, [])
+            self._abort_write(p.write)
+            self.prefetch_stats.failed += len(p.write.keys)
+
+    def narrow(self, plan: LoadPlan, start: int, stop: int) -> LoadPlan:
+        """A plan for ``plan.keys[start:stop]`` (pinned), releasing ``plan`` quietly."""
+        with self.lock:
+            if plan.settled:
+                raise ValueError("narrow: this plan was already submitted or cancelled")
+            stop = min(stop, plan.hits)
+            start = min(max(0, start), stop)
+            keys = plan.keys[start:stop]
+            part = LoadPlan(keys, [], len(keys))
+            for run in plan.runs:
+                lo, hi = max(run.start, start), min(run.stop, stop)
+                if lo < hi:
+                    slots = self.managers[run.tier].prepare_load(plan.keys[lo:hi])
+                    part.runs.append(Run(run.tier, lo - start, hi - start, slots))
+            self._unpin(plan)
+            return part
+
+    def unclaim(self, plan: LoadPlan) -> None:
+        """Unpin a claimed plan that will not be loaded, counting nothing."""
+        with self.lock:
+            self._unpin(plan)
+
+    def release(self, owner: Hashable) -> None:
+        """Forget ``owner``'s pending claim; cancel its prefetches that nobody else
+        waits for and that have not started (their reserved slots freed)."""
+        with self.lock:
+            cl = self._claims.pop(owner, None)
+            if cl is None:
+                return
+            for p in cl.waits:
+                p.waiters.discard(owner)
+                if not p.waiters and not p.started and not p.done:
+                    p.done = True
+                    self._prefetch_landed(p, [])
+                    self._abort_write(p.write)
+                    self.prefetch_stats.wasted += len(p.write.keys)
+
+    def prefetch_starts(self, p: Prefetch) -> bool:
+        """A prefetch job begins: ``False`` if it was cancelled meanwhile (skip it)."""
+        with self.lock:
+            if p.done:
+                return False
+            p.started = True
+            self._loads_active += 1  # copies into persistent tiers wait for us too
+            return True
+
+    def settle_prefetch(self, p: Prefetch, seconds: float) -> None:
+        """Books for a prefetch job that ended (its write already settled)."""
+        with self.lock:
+            self._loads_active -= 1
+            self._loads_done.notify_all()
+            first = self.managers[0]
+            landed = [k for k in p.write.keys if first.ready(k)]
+            p.done = True
+            self._prefetch_landed(p, landed)
+            # A prefetch is a use of the source block: keep it warm in its tier, so the
+            # disk copy outlives the cpu copy that a hit will soon evict.
+            assert p.write.src_tier is not None
+            self.managers[p.write.src_tier].touch(landed)
+            stats = self.prefetch_stats
+            stats.prefetched += len(landed)
+            self.stats[0].promotions += len(landed)
+            stats.failed += len(p.write.keys) - len(landed)
+            stats.seconds += seconds
+
+    # -- writes ------------------------------------------------------------------------
+    def yield_to_loads(self) -> None:
+        """Wait (briefly, bounded) while loads are in flight: a copy into a persistent
+        tier lets the disk serve the engine's loads first."""
+        with self.lock:
+            if self._loads_active:
+                self._loads_done.wait_for(lambda: self._loads_active == 0, LOAD_PRIORITY_WAIT_S)
+
+    def admitted_demotions(self, w: Write) -> list[tuple[BlockKey, int]]:
+        """The blocks ``w`` displaces that the next tier admits (for ``on_evict``)."""
+        with self.lock:
+            keys = self._admitted(w.tier + 1, [k for k, _ in w.evicted])
+        slot_of = dict(w.evicted)
+        return [(k, slot_of[k]) for k in keys]
+
+    def count_write(self, t: int, seconds: float) -> None:
+        with self.lock:
+            self.stats[t].write_seconds += seconds
+
+    def count_read(self, t: int, seconds: float, nbytes: int) -> None:
+        with self.lock:
+            stats = self.stats[t]
+            stats.read_seconds += seconds
+            stats.bytes_read += nbytes
+
+    def settle_write(
+        self, w: Write, ok: list[bool], *, failed: bool, demoted: bool, written_buf: bool
+    ) -> tuple[list[Copy], bool]:
+        """Books for a finished write: ready or dropped, unpin the source, then the
+        cascade orders for the next tier.
+
+        ``written_buf``: the write's bytes sit in a buffer (row ``i`` for
+        ``w.keys[i]``); a write-through copy then takes that buffer over instead of
+        reading the blocks back from this tier. ``demoted``: the displaced blocks
+        ``w.evicted`` were read into a demotion buffer. Returns the orders, and whether
+        one took the written buffer over (the caller must then not release it)."""
+        with self.lock:
+            manager, stats = self.managers[w.tier], self.stats[w.tier]
+            stored = [k for k, good in zip(w.keys, ok, strict=True) if good]
+            lost = [k for k, good in zip(w.keys, ok, strict=True) if not good]
+            manager.complete_store(stored, success=True)
+            manager.complete_store(lost, success=False)
+            if failed:
+                stats.store_errors += len(w.keys)
+            stats.blocks_stored += len(stored)
+            stats.bytes_written += len(stored) * self.bpb
+            elapsed = time.perf_counter() - w.submitted
+            stats.store_latency_s.append(elapsed)
+            avg = self._job_seconds[w.tier]
+            self._job_seconds[w.tier] = elapsed if avg == 0.0 else 0.8 * avg + 0.2 * elapsed
+            if w.src_tier is not None:
+                self.managers[w.src_tier].complete_load(w.keys)
+                if w.corrupt:  # they leave their tier for good
+                    self._drop_corrupt(w.src_tier, w.corrupt)
+            orders: list[Copy] = []
+            nxt = w.tier + 1
+            handed_on = False
+            if nxt < len(self.managers):
+                if demoted:
+                    copy = self._plan_copy(nxt, [k for k, _ in w.evicted], buffered=True)
+                    if copy is not None:
+                        orders.append(Copy(copy, "demoted"))
+                if stored and self.configs[nxt].write_policy == "write_through":
+                    admitted = self._admitted(nxt, stored)
+                    if admitted and written_buf:
+                        row = {k: i for i, k in enumerate(w.keys)}
+                        rows = [row[k] for k in admitted]
+                        copy = self._plan_copy(nxt, admitted, buffered=True, rows=rows)
+                        handed_on = True  # taken over, or released by the caller's order
+                        if copy is not None:
+                            orders.append(Copy(copy, "written"))
+                        else:
+                            handed_on = False
+                    elif admitted:
+                        copy = self._plan_copy(nxt, admitted, src_tier=w.tier)
+                        if copy is not None:
+                            orders.append(Copy(copy, "tier"))
+            return orders, handed_on
+
+    def abort_write(self, w: Write) -> None:
+        """Undo a write that never ran (its job was refused)."""
+        with self.lock:
+            self._abort_write(w)
+
+    # -- loads -------------------------------------------------------------------------
+    def promotion(self, plan: LoadPlan, valid: int, in_buf: list[bool]) -> Write | None:
+        """The first-tier write of a load's promoted blocks that are valid and in the
+        staging buffer (``write.rows``: their rows in it); the other reserved
+        promotion slots are freed."""
+        if not plan.promote_keys:
+            return None
+        pos = {k: i for i, k in enumerate(plan.keys)}
+        rows = [pos[k] for k in plan.promote_keys]
+        # Only blocks that went through the buffer can be written from it: one copied
+        # straight from a memory tier into the pool is not promoted (it is fast where it
+        # is).
+        keep = [i for i, r in enumerate(rows) if r < valid and in_buf[r]]
+        write = Write(
+            0,
+            [plan.promote_keys[i] for i in keep],
+            [plan.promote_slots[i] for i in keep],
+            rows=[rows[i] for i in keep],
+            evicted=plan.promote_evicted,
+            submitted=time.perf_counter(),
+        )
+        kept = set(keep)
+        dropped = [plan.promote_keys[i] for i in range(len(rows)) if i not in kept]
+        plan.promote_keys = []
+        with self.lock:
+            self.managers[0].complete_store(dropped, success=False)
+            self.stats[0].promotions += len(keep)
+            write.demote = self._wants_demotion(write)
+        return write
+
+    def settle_load(
+        self,
+        plan: LoadPlan,
+        valid: int,
+        corrupt: dict[int, list[BlockKey]],
+        submitted: float,
+    ) -> list[Copy]:
+        """Books for a finished load job: unpin, touch the loaded prefix, drop corrupt
+        blocks, count hits; returns the admission-triggered copies to queue."""
+        with self.lock:
+            self._loads_active -= 1
+            self._loads_done.notify_all()
+            orders = self._settle_load(plan, valid, corrupt)
+            deepest = max((r.tier for r in plan.runs), default=0)
+            self.stats[deepest].load_latency_s.append(time.perf_counter() - submitted)
+            return orders
+
+    # -- introspection -----------------------------------------------------------------
+    def pinned(self) -> list[int]:
+        with self.lock:
+            return [m.pinned() for m in self.managers]
+
+    def prefetches(self) -> tuple[int, int]:
+        with self.lock:
+            return len({id(p) for p in self._inflight.values()}), len(self._claims)
+
+    # -- under the lock ----------------------------------------------------------------
+    def _locate(self, keys: Sequence[BlockKey]) -> list[int]:
+        """For the longest held prefix: the index of the fastest tier holding each key."""
+        located: list[int] = []
+        for key in keys:
+            for t, manager in enumerate(self.managers):
+                if manager.ready(key):
+                    located.append(t)
+                    break
+            else:
+                break
+        return located
+
+    def _start_prefetches(
+        self, keys: Sequence[BlockKey], ready: int
+    ) -> tuple[list[Prefetch], list[Prefetch], bool]:
+        """Plan prefetches for the blocks after the first tier's ready prefix that a
+        lower tier holds. Returns the prefetches this prefix waits for (new and already
+        in flight), the new ones, and whether some could not start for want of budget
+        while others are in flight (then: wait too)."""
+        first = self.managers[0]
+        waits: dict[int, Prefetch] = {}
+        want: list[tuple[int, BlockKey]] = []
+        for key in keys[ready:]:
+            inflight = self._inflight.get(key)
+            if inflight is not None:
+                waits[id(inflight)] = inflight
+                continue
+            if first.holds(key):
+                if first.ready(key):
+                    continue  # ready up top already
+                break  # being written by a store: not claimable yet
+            below = next(
+                (t for t in range(1, len(self.managers)) if self.managers[t].ready(key)), None
+            )
+            if below is None:
+                break
+            want.append((below, key))
+        room = self.prefetch_budget - self._prefetch_blocks
+        starved = len(want) > room and self._prefetch_blocks > 0
+        want = want[: max(0, room)]
+        started: list[Prefetch] = []
+        i = 0
+        while i < len(want):  # one job per run of consecutive blocks from one tier
+            t = want[i][0]
+            j = i
+            while j < len(want) and want[j][0] == t:
+                j += 1
+            p = self._prefetch(t, [k for _, k in want[i:j]])
+            if p is None:
+                break
+            waits[id(p)] = p
+            started.append(p)
+            i = j
+        return list(waits.values()), started, starved
+
+    def _prefetch(self, t: int, keys: list[BlockKey]) -> Prefetch | None:
+        """Reserve first-tier slots for ``keys`` (held by tier ``t``) and pin them in
+        ``t``; ``None`` when the first tier has no room."""
+        out = self.managers[0].prepare_store(keys)
+        if out is None:
+            self.prefetch_stats.failed += len(keys)
+            return None
+        self.stats[0].evictions += len(out.evicted)
+        self._left_first_tier(out.evicted)
+        write = Write(
+            0,
+            out.keys_to_store,
+            out.slots,
+            src_tier=t,
+            src_slots=self.managers[t].prepare_load(out.keys_to_store),
+            evicted=list(zip(out.evicted, out.evicted_slots, strict=True)),
+            submitted=time.perf_counter(),
+        )
+        write.demote = self._wants_demotion(write)
+        p = Prefetch(write)
+        for key in write.keys:
+            self._inflight[key] = p
+        self._prefetch_blocks += len(write.keys)
+        return p
+
+    def _prefetch_landed(self, p: Prefetch, landed: Sequence[BlockKey]) -> None:
+        """A prefetch ended: out of flight; ``landed`` are the keys now ready up top."""
+        for key in p.write.keys:
+            if self._inflight.get(key) is p:
+                del self._inflight[key]
+        self._prefetch_blocks -= len(p.write.keys)
+        for key in landed:
+            self._prefetched[key] = None
+            self._prefetched.move_to_end(key)
+        while len(self._prefetched) > self.managers[0].capacity:
+            self._prefetched.popitem(last=False)
+
+    def _left_first_tier(self, keys: Iterable[BlockKey]) -> None:
+        """Count prefetched blocks evicted up top before any load used them."""
+        if self._prefetched:
+            for key in keys:
+                if key in self._prefetched:
+                    del self._prefetched[key]
+                    self.prefetch_stats.wasted += 1
+
+    def _accepts(self, t: int, n: int) -> bool:
+        """Whether tier ``t`` takes a new store job now; counts the drop if not."""
+        cfg = self.configs[t]
+        depth = self._depth(t)
+        full = depth >= cfg.max_pending_stores
+        if not full and cfg.max_store_delay_ms is not None:
+            full = depth * self._job_seconds[t] * 1e3 > cfg.max_store_delay_ms
+        if full:
+            self.stats[t].dropped_stores += n
+        return not full
+
+    def _admitted(self, t: int, keys: Sequence[BlockKey]) -> list[BlockKey]:
+        need = self.configs[t].admit_after_hits
+        if need == 0:
+            return list(keys)
+        counts = self._hit_counts
+        admitted = [k for k in keys if counts.get(k, 0) >= need]
+        self.stats[t].not_admitted += len(keys) - len(admitted)
+        return admitted
+
+    def _wants_demotion(self, w: Write) -> bool:
+        """Whether the next tier takes ``w``'s displaced blocks (``on_evict``)."""
+        nxt = w.tier + 1
+        return (
+            bool(w.evicted)
+            and nxt < len(self.managers)
+            and self.configs[nxt].write_policy == "on_evict"
+        )
+
+    def _plan_copy(
+        self,
+        t: int,
+        keys: list[BlockKey],
+        *,
+        src_tier: int | None = None,
+        buffered: bool = False,
+        rows: list[int] | None = None,
+    ) -> Write | None:
+        """A copy of ``keys`` into tier ``t``: from a buffer whose row ``rows[i]``
+        (default ``i``) holds ``keys[i]`` (``write.rows`` then says which rows to take),
+        or from ``src_tier``, where the blocks are pinned until the copy has read them.
+        Keys the tier already holds, or is writing, are left out; ``None`` when nothing
+        is left, or the tier refuses (counted)."""
+        manager = self.managers[t]
+        keep = [i for i, k in enumerate(keys) if not manager.holds(k)]
+        picked = [(rows[i] if rows is not None else i) for i in keep]
+        keys = [keys[i] for i in keep]
+        if not keys:
+            return None
+        if not self._accepts(t, len(keys)):  # counts the drop
+            return None
+        out = manager.prepare_store(keys)
+        if out is None:
+            self.stats[t].rejected_stores += len(keys)
+            return None
+        if out.keys_to_store != keys:  # repeated keys were merged
+            first = {k: picked[i] for i, k in reversed(list(enumerate(keys)))}
+            picked = [first[k] for k in out.keys_to_store]
+        self.stats[t].evictions += len(out.evicted)
+        write = Write(
+            t,
+            out.keys_to_store,
+            out.slots,
+            rows=picked if buffered else None,
+            evicted=list(zip(out.evicted, out.evicted_slots, strict=True)),
+            submitted=time.perf_counter(),
+        )
+        write.demote = self._wants_demotion(write)
+        if src_tier is not None:
+            write.src_tier = src_tier
+            write.src_slots = self.managers[src_tier].prepare_load(out.keys_to_store)
+        return write
+
+    def _abort_write(self, w: Write) -> None:
+        self.managers[w.tier].complete_store(w.keys, success=False)
+        if w.src_tier is not None:
+            self.managers[w.src_tier].complete_load(w.keys)
+
+    def _drop_corrupt(self, t: int, keys: Sequence[BlockKey]) -> None:
+        """Drop blocks a read found invalid, so they stay misses after a restart. One
+        pinned by another reader is left to that reader, which will find it invalid
+        too."""
+        manager = self.managers[t]
+        free = [k for k in keys if manager.idle(k)]
+        if free:
+            self._discard(t, manager.remove(free))
+        self.stats[t].corrupt_blocks += len(keys)
+
+    def _settle_load(
+        self, plan: LoadPlan, valid: int, corrupt: dict[int, list[BlockKey]]
+    ) -> list[Copy]:
+        if plan.settled:
+            return []
+        plan.settled = True
+        if plan.promote_keys:  # never written: cancelled, or the job failed early
+            self.managers[0].complete_store(plan.promote_keys, success=False)
+            plan.promote_keys = []
+        loaded = plan.keys[:valid]
+        for run in plan.runs:
+            manager = self.managers[run.tier]
+            keys = plan.keys[run.start : run.stop]
+            manager.complete_load(keys)
+            manager.touch(keys[: max(0, valid - run.start)])
+        for t, bad in corrupt.items():
+            self._drop_corrupt(t, bad)
+        if self._prefetched:
+            for key in loaded:
+                if key in self._prefetched:
+                    del self._prefetched[key]
+                    self.prefetch_stats.hits += 1
+        # Each requested block is a hit in the tier that served it and a miss in every
+        # tier above; one not served is a miss in every tier.
+        reached = plan.requested
+        for t, stats in enumerate(self.stats):
+            served = sum(max(0, min(r.stop, valid) - r.start) for r in plan.runs if r.tier == t)
+            stats.hits += served
+            stats.misses += reached - served
+            reached -= served
+        return self._count_hits(loaded)
+
+    def _unpin(self, plan: LoadPlan) -> None:
+        """Settle a plan without a load: unpin, count nothing."""
+        if plan.settled:
+            return
+        plan.settled = True
+        if plan.promote_keys:
+            self.managers[0].complete_store(plan.promote_keys, success=False)
+            plan.promote_keys = []
+        for run in plan.runs:
+            self.managers[run.tier].complete_load(plan.keys[run.start : run.stop])
+
+    def _count_hits(self, loaded: Sequence[BlockKey]) -> list[Copy]:
+        """Remember load counts for the admission filter; write-through copies of
+        blocks that just reached a lower tier's ``admit_after_hits``."""
+        if not loaded:
+            return []
+        counts = self._hit_counts
+        for key in loaded:
+            counts[key] = counts.get(key, 0) + 1
+            counts.move_to_end(key)
+        while len(counts) > HIT_COUNTS:
+            counts.popitem(last=False)
+        orders: list[Copy] = []
+        for t in range(1, len(self.managers)):
+            cfg = self.configs[t]
+            if cfg.admit_after_hits and cfg.write_policy == "write_through":
+                ready = [k for k in loaded if counts[k] == cfg.admit_after_hits]
+                src = self.managers[t - 1]
+                ready = [k for k in ready if src.ready(k)]
+                if ready:
+                    copy = self._plan_copy(t, ready, src_tier=t - 1)
+                    if copy is not None:
+                        orders.append(Copy(copy, "tier"))
+        return orders

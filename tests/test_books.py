@@ -1,0 +1,210 @@
+"""The Offloader's books on plain keys: cascade, admission, backpressure, corruption and
+claims decided without a thread, a tensor or a byte moved. Each scenario plays the
+data path's part by hand: take the books' orders, report how they went."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvoffload.books import Books, Copy, Write
+from kvoffload.config import load_config
+from kvoffload.keys import ROOT_KEY, BlockKey, chain_key
+from kvoffload.lru_manager import LRUOffloadingManager
+from kvoffload.slots import SlotAllocator
+
+BPB = 4096
+
+
+def _keys(n: int, salt: int = 0) -> list[BlockKey]:
+    keys, parent = [], ROOT_KEY
+    for i in range(n):
+        parent = chain_key(parent, f"{salt}:{i}".encode())
+        keys.append(parent)
+    return keys
+
+
+class Fake:
+    """The books' two callbacks, recorded."""
+
+    def __init__(self) -> None:
+        self.depth = [0, 0, 0]
+        self.discarded: list[tuple[int, list[int]]] = []
+
+
+def _books(*lower: dict[str, Any], blocks: tuple[int, ...] = (8, 16, 32)) -> tuple[Books, Fake]:
+    tiers: list[dict[str, Any]] = [{"name": "cpu", "backend": "cpu", "capacity": blocks[0] * BPB}]
+    for i, extra in enumerate(lower, 1):
+        tiers.append({"name": f"t{i}", "backend": "cpu", "capacity": blocks[i] * BPB, **extra})
+    config = load_config({"tiers": tiers}, env={})
+    managers = [
+        LRUOffloadingManager(SlotAllocator(n), "lru", name=c.name, enable_events=False)
+        for n, c in zip(blocks, config.resolved_tiers(), strict=False)
+    ]
+    fake = Fake()
+    books = Books(
+        managers,
+        config.resolved_tiers(),
+        bytes_per_block=BPB,
+        persistent=[False] + [True] * len(lower),
+        prefetch_max_inflight=4 * BPB,
+        depth=lambda t: fake.depth[t],
+        discard=lambda t, slots: fake.discarded.append((t, slots)),
+    )
+    return books, fake
+
+
+def _store(books: Books, keys: list[BlockKey]) -> tuple[Write, list[Copy]]:
+    """An engine store that lands whole, its bytes left in a buffer."""
+    w = books.plan_store(keys, list(range(len(keys))), 0.0)
+    assert w is not None
+    orders, handed_on = books.settle_write(
+        w, [True] * len(w.keys), failed=False, demoted=False, written_buf=True
+    )
+    assert handed_on == any(o.source == "written" for o in orders)
+    return w, orders
+
+
+def _land(books: Books, order: Copy) -> list[Copy]:
+    """A cascade copy that lands whole."""
+    w = order.write
+    orders, _ = books.settle_write(
+        w, [True] * len(w.keys), failed=False, demoted=False, written_buf=w.rows is not None
+    )
+    return orders
+
+
+def test_write_through_cascades_tier_by_tier_from_the_written_buffer() -> None:
+    books, _ = _books({}, {})
+    keys = _keys(5)
+    _, orders = _store(books, keys)
+    (copy,) = orders
+    assert (copy.source, copy.write.tier, copy.write.keys, copy.write.rows) == (
+        "written",
+        1,
+        keys,
+        [0, 1, 2, 3, 4],
+    )
+    (down,) = _land(books, copy)
+    assert (down.source, down.write.tier, down.write.keys) == ("written", 2, keys)
+    assert _land(books, down) == []
+    assert books.lookup(keys) == 5
+    assert [s.blocks_stored for s in books.stats] == [5, 5, 5]
+    # Stored again: every tier already holds them, so nothing moves.
+    w = books.plan_store(keys, list(range(5)), 0.0)
+    assert w is not None
+    assert w.keys == []
+
+
+def test_on_evict_demotes_exactly_what_the_first_tier_evicts() -> None:
+    books, _ = _books({"write_policy": "on_evict"}, blocks=(4, 16))
+    first = _keys(4)
+    _, orders = _store(books, first)
+    assert orders == []  # on_evict: nothing goes down while the first tier has room
+    w = books.plan_store(_keys(2, salt=1), [0, 1], 0.0)
+    assert w is not None
+    assert w.demote
+    assert [k for k, _ in w.evicted] == first[:2]  # least recently used first
+    demote = books.admitted_demotions(w)
+    assert [k for k, _ in demote] == first[:2]
+    orders, _ = books.settle_write(w, [True, True], failed=False, demoted=True, written_buf=True)
+    (copy,) = orders
+    assert (copy.source, copy.write.tier, copy.write.keys, copy.write.rows) == (
+        "demoted",
+        1,
+        first[:2],
+        [0, 1],
+    )
+    assert books.stats[0].evictions == 2
+
+
+def test_admission_copies_a_block_down_at_its_nth_load() -> None:
+    books, _ = _books({"admit_after_hits": 2})
+    keys = _keys(3)
+    _, orders = _store(books, keys)
+    assert orders == []
+    assert books.stats[1].not_admitted == 3
+    for n in (1, 2):
+        plan = books.plan_load(keys)
+        assert plan.hits == 3
+        books.load_submitted(plan)
+        orders = books.settle_load(plan, 3, {}, 0.0)
+        if n == 1:
+            assert orders == []
+    (copy,) = orders  # the second load admits them
+    assert (copy.source, copy.write.tier, copy.write.src_tier, copy.write.keys) == (
+        "tier",
+        1,
+        0,
+        keys,
+    )
+    assert books.pinned() == [3, 0]  # the source stays pinned until the copy has read it
+    _land(books, copy)
+    assert books.pinned() == [0, 0]
+    assert books.stats[0].hits == 6
+
+
+def test_a_full_queue_drops_the_store_and_says_so() -> None:
+    books, fake = _books()
+    fake.depth[0] = books.configs[0].max_pending_stores
+    assert books.plan_store(_keys(4), [0, 1, 2, 3], 0.0) is None
+    assert books.stats[0].dropped_stores == 4
+    fake.depth[0] = 0
+    assert books.plan_store(_keys(4), [0, 1, 2, 3], 0.0) is not None
+
+
+def test_a_corrupt_block_ends_the_prefix_and_leaves_its_tier_for_good() -> None:
+    books, fake = _books({}, blocks=(2, 16))
+    keys = _keys(6)
+    for i in range(0, 6, 2):  # the cpu tier keeps the last two; tier 1 holds all six
+        _, orders = _store(books, keys[i : i + 2])
+        for order in orders:
+            _land(books, order)
+    plan = books.plan_load(keys)
+    assert [(r.tier, r.start, r.stop) for r in plan.runs] == [(1, 0, 4), (0, 4, 6)]
+    bad = keys[2]
+    slot = plan.runs[0].slots[2]
+    books.load_submitted(plan)
+    books.settle_load(plan, 2, {1: [bad]}, 0.0)
+    assert fake.discarded == [(1, [slot])]
+    assert books.lookup(keys) == 2
+    assert books.stats[1].corrupt_blocks == 1
+    assert books.pinned() == [0, 0]
+
+
+def test_a_claim_waits_for_its_prefetch_and_then_pins_the_first_tier_only() -> None:
+    books, _ = _books({}, blocks=(8, 16))
+    keys = _keys(6)
+    _, orders = _store(books, keys)
+    for order in orders:
+        _land(books, order)
+    filler = _keys(8, salt=1)
+    _store(books, filler)  # evicts all six from the cpu tier (tier 1 keeps them)
+    assert books.managers[0].lookup(keys) == 0
+    plan, started = books.claim("r1", keys)
+    assert plan is None
+    assert sum(len(p.write.keys) for p in started) == 4  # the budget: 4 blocks
+    again, more = books.claim("r2", keys)
+    assert again is None
+    assert more == []  # r2 shares r1's prefetch
+    for p in started:  # the data path copies them up, verified
+        assert books.prefetch_starts(p)
+        w = p.write
+        books.settle_write(w, [True] * len(w.keys), failed=False, demoted=False, written_buf=False)
+        books.settle_prefetch(p, 0.001)
+    plan, started = books.claim("r1", keys)  # the next round: the last two
+    assert plan is None
+    assert sum(len(p.write.keys) for p in started) == 2
+    for p in started:
+        assert books.prefetch_starts(p)
+        w = p.write
+        books.settle_write(w, [True] * len(w.keys), failed=False, demoted=False, written_buf=False)
+        books.settle_prefetch(p, 0.001)
+    plan, _ = books.claim("r1", keys)
+    assert plan is not None
+    assert plan.hits == 6
+    assert {r.tier for r in plan.runs} == {0}
+    books.release("r2")
+    books.unclaim(plan)
+    assert books.pinned() == [0, 0]
+    assert books.prefetches() == (0, 0)
+    assert books.prefetch_stats.prefetched == 6
