@@ -1,1 +1,1 @@
-"""Engine connectors, installed as ``kvoffload.connectors`` (vLLM's lands in ``vllm.py``)."""
+"""Engine connectors, installed as ``kvoffload.connectors`` (vLLM's is the ``vllm`` package)."""

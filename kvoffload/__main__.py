@@ -1,5 +1,5 @@
 """``python -m kvoffload``: the same CLI as the ``kvoffload`` command."""
 
-from kvoffload.cli import main
+from kvoffload.tools.cli import main
 
 raise SystemExit(main())

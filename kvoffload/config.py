@@ -38,8 +38,9 @@ from pydantic import (
 from pydantic.json_schema import WithJsonSchema
 from pydantic_core import PydanticCustomError
 
+from kvoffload import plugins
 from kvoffload.exceptions import ConfigError, RegistryError
-from kvoffload.layout import DTYPE_NAMES
+from kvoffload.layout import DTYPE_NAMES, KVLayout
 from kvoffload.sizes import SIZE_HINT, parse_size
 
 ENV_PREFIX: Final = "KVOFFLOAD_"
@@ -162,13 +163,10 @@ class PluginTierConfig(TierConfig):
 
     @model_validator(mode="after")
     def _check_plugin(self) -> PluginTierConfig:
-        from kvoffload.registry import get_backend_class
-
         try:
-            cls = get_backend_class(self.backend)
+            model = plugin_config_model(self.backend)
         except RegistryError as exc:
             raise _tier_error(("backend",), self.backend, str(exc)) from None
-        model = cls.config_model
         if model is not TierConfig and model is not PluginTierConfig:
             # Validate with the plugin's own model so its typos and bad values are
             # reported like ours; the validated copy is what the backend receives.
@@ -242,12 +240,28 @@ AnyTierConfig = Annotated[
 ]
 
 
+def plugin_config_model(backend: str) -> type[TierConfig]:
+    """The settings model of the plugin registered as ``backend`` (its ``config_model``).
+
+    Found through :mod:`kvoffload.plugins`, the name table the backend registry is built
+    on, rather than through :mod:`kvoffload.registry`: the config sits below the backend
+    layer and must stay importable, and usable for the built-in tiers, without it (and
+    without torch). Looking a plugin up imports the plugin's code, torch included; only
+    a config that names one pays for that. Raises
+    :class:`~kvoffload.exceptions.RegistryError` for an unknown name, an entry point that
+    fails to import, or one that is not a backend (has no ``TierConfig`` model).
+    """
+    target = plugins.lookup(backend)
+    model = getattr(target, "config_model", None)
+    if not (isinstance(target, type) and isinstance(model, type) and issubclass(model, TierConfig)):
+        raise plugins.not_a_backend(backend, target)
+    return model
+
+
 def resolve_tier_config(tier: TierConfig) -> TierConfig:
     """The tier config as its backend's own model (plugins get their typed model)."""
     if isinstance(tier, PluginTierConfig):
-        from kvoffload.registry import get_backend_class
-
-        return get_backend_class(tier.backend).config_model.model_validate(tier.model_dump())
+        return plugin_config_model(tier.backend).model_validate(tier.model_dump())
     return tier
 
 
@@ -351,6 +365,25 @@ class StressConfig(BaseModel):
         if self.workload == "trace" and not self.trace:
             raise ValueError("workload = 'trace' needs trace: a JSONL trace file (or --trace)")
         return self
+
+
+def layout_from_config(config: KVOffloadConfig) -> KVLayout:
+    """The KV layout the config's ``stress`` section simulates (its preset or layout).
+
+    What ``kvoffload stress`` writes its blocks under, and what the maintenance tools open
+    a tier with when the tier stores no layout of its own. It lives with the settings it
+    reads, below both tools, so neither has to import the other for it. The namespace
+    keeps the simulated blocks apart from an engine's with the same shape.
+    """
+    lc = config.stress.resolved_layout()
+    return KVLayout(
+        num_layers=lc.num_layers,
+        num_kv_heads=lc.num_kv_heads,
+        head_dim=lc.head_dim,
+        block_size=lc.block_size,
+        dtype=lc.dtype,
+        namespace="kvoffload-stress",
+    )
 
 
 def _default_tier_list() -> list[

@@ -14,6 +14,7 @@ from kvoffload.config import KVOffloadConfig
 from kvoffload.keys import BlockKey
 from kvoffload.layout import KVLayout
 from kvoffload.lru_manager import LRUOffloadingManager
+from kvoffload.manager import OffloadingManager
 from kvoffload.registry import create_backend
 
 
@@ -23,17 +24,14 @@ class Tier:
 
     name: str
     backend: Backend
-    manager: LRUOffloadingManager
+    manager: OffloadingManager
+    """Typed as the interface: the Offloader and its books plan through it only."""
 
     def drop(self, keys: Sequence[BlockKey]) -> None:
         """Forget blocks for good: out of the books (slots freed) and off the medium.
-
         Used for blocks a load found corrupt: they must become misses, now and after a
         restart. The keys must be unpinned (``complete_load`` first)."""
-        states = [self.manager.state(k) for k in keys]
-        slots = [s.slot for s in states if s is not None]
-        self.manager.remove(keys)
-        self.backend.discard(slots)
+        self.backend.discard(self.manager.remove(keys))
 
     def close(self) -> None:
         self.backend.close()

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kvoffload.config import load_config
-from kvoffload.stress import StressReport, StressRunner
+from kvoffload.tools.stress import StressReport, StressRunner
 
 
 def _config(path: Path, throttle: int | None, ops: int) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Gather/scatter and cpu-tier throughput against a plain torch copy of the same bytes.
 
-A table over :func:`kvoffload.bench_cpu.bench_cpu`, the measurement ``kvoffload bench``
+A table over :func:`kvoffload.tools.bench_cpu.bench_cpu`, the measurement ``kvoffload bench``
 reports as ``cpu_ratios`` (one implementation for both). Every ratio's baseline is
 measured in the same run, on the same byte count: ``dst.copy_(src)`` of one contiguous
 region as large as the whole batch (the memcpy limit of this machine). Usage::
@@ -16,7 +16,7 @@ import json
 
 import torch
 
-from kvoffload.bench_cpu import bench_cpu
+from kvoffload.tools.bench_cpu import bench_cpu
 
 
 def main() -> None:

@@ -12,8 +12,8 @@ import argparse
 import json
 from pathlib import Path
 
-from kvoffload.bench_chain import bench_chain
 from kvoffload.config import load_config
+from kvoffload.tools.bench_chain import bench_chain
 
 
 def main() -> None:

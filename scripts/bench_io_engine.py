@@ -22,7 +22,7 @@ from pathlib import Path
 
 import aiofiles.os
 
-from kvoffload.bench import drop_page_cache
+from kvoffload.tools.bench_raw import drop_page_cache
 
 BLOCK = 2 * 1024 * 1024
 INFLIGHT = 8

@@ -16,11 +16,11 @@ import shutil
 import time
 from pathlib import Path
 
-from kvoffload.bench import drop_page_cache, layout_of_size
 from kvoffload.blockpool import page_aligned_empty
 from kvoffload.config import load_config
 from kvoffload.keys import BlockKey, chain_key
 from kvoffload.tier import build_tiers
+from kvoffload.tools.bench_raw import drop_page_cache, layout_of_size
 
 
 def main() -> None:

@@ -4,7 +4,7 @@
 .venv/bin/python scripts/bench_tiers.py --config configs/bench.yaml --json out/bench.json
 """
 
-from kvoffload.cli import main
+from kvoffload.tools.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main(["bench", *__import__("sys").argv[1:]]))

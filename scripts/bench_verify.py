@@ -20,12 +20,12 @@ from pathlib import Path
 import xxhash
 from kvoffload.backends import mmap as mmap_backend
 
-from kvoffload.bench import drop_page_cache, layout_of_size
 from kvoffload.blockpool import byte_view, page_aligned_empty
 from kvoffload.config import MmapTierConfig
 from kvoffload.keys import BlockKey, chain_key
 from kvoffload.record import payload_checksum
 from kvoffload.sizes import parse_size
+from kvoffload.tools.bench_raw import drop_page_cache, layout_of_size
 
 
 def hash_speeds(block: memoryview) -> dict[str, float]:

@@ -12,14 +12,14 @@ import pytest
 import torch
 from kvoffload.backends.mmap import ALIGN, MmapBackend
 
-from kvoffload.config import KVOffloadConfig, MmapTierConfig, load_config
+from kvoffload.config import KVOffloadConfig, MmapTierConfig, layout_from_config, load_config
 from kvoffload.exceptions import ConfigError
 from kvoffload.keys import BlockKey, chain_key
 from kvoffload.layout import KVLayout
 from kvoffload.record import HEADER_BYTES
-from kvoffload.stress import BlockDataGenerator, layout_from_config
 from kvoffload.testing import BackendContract, BackendFactory, make_backend
 from kvoffload.tier import Tier, build_tiers
+from kvoffload.tools.stress import BlockDataGenerator
 
 HERE = Path(__file__).parent
 STRESS_LAYOUT = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 32, "block_size": 16}  # 8 KiB
@@ -217,8 +217,8 @@ def test_newest_copy_of_a_key_wins(tmp_path: Path, gen: BlockDataGenerator) -> N
 def test_second_process_on_same_dir_is_refused(tmp_path: Path) -> None:
     tier = open_tier(config(tmp_path / "t"))
     code = (
-        "import json,sys; from kvoffload.config import load_config;"
-        "from kvoffload.tier import build_tiers; from kvoffload.stress import layout_from_config;"
+        "import json,sys; from kvoffload.config import layout_from_config, load_config;"
+        "from kvoffload.tier import build_tiers;"
         "c=load_config(json.loads(sys.argv[1])); build_tiers(c, layout_from_config(c))"
     )
     raw = {

@@ -11,11 +11,11 @@ import math
 from pathlib import Path
 from typing import Any
 
-from kvoffload.bench import run_bench
-from kvoffload.bench_cpu import LAYOUTS, RATIO_MIN_BLOCK_BYTES, bench_cpu
-from kvoffload.bench_manager import DEFAULT_TRACE, bench_manager, load_trace
 from kvoffload.config import load_config
-from kvoffload.workloads import make_workload, prefix_hit_ratio
+from kvoffload.tools.bench import run_bench
+from kvoffload.tools.bench_cpu import LAYOUTS, RATIO_MIN_BLOCK_BYTES, bench_cpu
+from kvoffload.tools.bench_manager import DEFAULT_TRACE, bench_manager, load_trace
+from kvoffload.tools.workloads import make_workload, prefix_hit_ratio
 
 MAX_BLOCKS = 8  # per request: the whole trace's reuse, at a quarter of its blocks
 CAPACITY = 1000  # blocks, of 8,287 distinct ones: eviction throughout, ~20% hits

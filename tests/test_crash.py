@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-from kvoffload.config import load_config
+from kvoffload.config import layout_from_config, load_config
 from kvoffload.keys import BlockKey
-from kvoffload.stress import BlockDataGenerator, layout_from_config
 from kvoffload.tier import build_tiers
+from kvoffload.tools.stress import BlockDataGenerator
 
 HERE = Path(__file__).parent
 ROUNDS = 10

@@ -14,13 +14,18 @@ import torch
 import yaml
 from kvoffload.backends.mmap import ALIGN, MmapBackend
 
-from kvoffload.config import KVOffloadConfig, load_config
+from kvoffload.config import KVOffloadConfig, layout_from_config, load_config
 from kvoffload.exceptions import LayoutMismatchError
 from kvoffload.keys import BlockKey, chain_key
-from kvoffload.maintenance import export_snapshot, import_snapshot, inspect_tiers, verify_tiers
 from kvoffload.record import HEADER_BYTES
-from kvoffload.stress import BlockDataGenerator, layout_from_config
 from kvoffload.tier import Tier, build_tiers
+from kvoffload.tools.maintenance import (
+    export_snapshot,
+    import_snapshot,
+    inspect_tiers,
+    verify_tiers,
+)
+from kvoffload.tools.stress import BlockDataGenerator
 
 KVOFFLOAD = Path(sys.executable).parent / "kvoffload"
 LAYOUT = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 32, "block_size": 16}  # 8 KiB

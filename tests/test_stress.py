@@ -14,7 +14,7 @@ from kvoffload.backends.cpu import CPUBackend
 
 from kvoffload.config import load_config
 from kvoffload.exceptions import ConfigError
-from kvoffload.stress import StressRunner
+from kvoffload.tools.stress import StressRunner
 
 REPO = Path(__file__).resolve().parents[1]
 KVOFFLOAD = Path(sys.executable).parent / "kvoffload"

@@ -11,7 +11,7 @@ import pytest
 
 from kvoffload.exceptions import ConfigError
 from kvoffload.keys import ROOT_KEY, BlockKey, chain_key
-from kvoffload.workloads import (
+from kvoffload.tools.workloads import (
     WORKLOADS,
     MultiTurnWorkload,
     ScanWorkload,

@@ -11,10 +11,10 @@ import time
 
 import torch
 
-from kvoffload.config import load_config
+from kvoffload.config import layout_from_config, load_config
 from kvoffload.keys import BlockKey, chain_key
-from kvoffload.stress import BlockDataGenerator, layout_from_config
 from kvoffload.tier import build_tiers
+from kvoffload.tools.stress import BlockDataGenerator
 
 
 def key_for(round_no: int, i: int) -> BlockKey:

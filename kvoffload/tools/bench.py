@@ -19,11 +19,11 @@ own process, not beside an engine.
 Two parts need no tier of the config and run first, whatever it holds (and alone with
 ``disk=False``), because they are seconds where the disk part is minutes:
 
-- **manager** (:mod:`kvoffload.bench_manager`): scheduler-side ns per block of our
+- **manager** (:mod:`kvoffload.tools.bench_manager`): scheduler-side ns per block of our
   manager against vLLM's CPU offloading manager with its LRU policy, on a Mooncake
   trace; top-level ``manager_ns_per_block``, ``vllm_lru_ns_per_block`` and
   ``manager_vs_vllm_lru`` (ours / theirs), details under ``manager``;
-- **cpu** (:mod:`kvoffload.bench_cpu`): ``BlockPool.gather`` / ``scatter`` and the cpu
+- **cpu** (:mod:`kvoffload.tools.bench_cpu`): ``BlockPool.gather`` / ``scatter`` and the cpu
   tier against a plain torch copy, per block size under ``cpu_ratios``; top-level
   ``cpu_gather_ratio`` / ``cpu_scatter_ratio`` are the minimum over blocks of 64 KiB
   and more.
@@ -32,8 +32,6 @@ Two parts need no tier of the config and run first, whatever it holds (and alone
 from __future__ import annotations
 
 import logging
-import mmap
-import os
 import shutil
 import time
 from collections.abc import Callable, Sequence
@@ -44,105 +42,22 @@ from typing import Any, Final
 
 import torch
 
-from kvoffload.bench_cpu import bench_cpu
-from kvoffload.bench_manager import DEFAULT_CAPACITY, DEFAULT_TRACE, bench_manager
 from kvoffload.blockpool import byte_view, page_aligned_empty
 from kvoffload.config import KVOffloadConfig, TierConfig
 from kvoffload.keys import BlockKey, chain_key
-from kvoffload.layout import KVLayout
 from kvoffload.registry import get_backend_class
+from kvoffload.tools.bench_chain import bench_chain
+from kvoffload.tools.bench_cpu import bench_cpu
+from kvoffload.tools.bench_manager import DEFAULT_CAPACITY, DEFAULT_TRACE, bench_manager
+from kvoffload.tools.bench_raw import drop_page_cache, gbps, layout_of_size, raw_best
 
 logger = logging.getLogger(__name__)
 
 BLOCK_SIZES: Final = (16 * 1024, 64 * 1024, 256 * 1024, 2 * 1024 * 1024)
-RAW_THREADS: Final = (1, 4, 8, 16)
 VLLM_THREADS: Final = 8
 BATCH_BYTES: Final = 1024 * 1024 * 1024
 """Bytes per ``write``/``read`` call. The baselines (raw threads, vLLM's batch calls)
 keep their whole data set in flight; so does the tier, with one call per 1 GiB."""
-
-
-def layout_of_size(block_bytes: int) -> KVLayout:
-    """A one-layer bf16 layout whose blocks are exactly ``block_bytes``."""
-    head_dim = block_bytes // (2 * 16 * 2)
-    return KVLayout(
-        num_layers=1, num_kv_heads=1, head_dim=head_dim, block_size=16, namespace="kvoffload-bench"
-    )
-
-
-def drop_page_cache() -> bool:
-    """Flush dirty pages and drop the page cache; ``False`` if not permitted."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
-def _gbps(nbytes: int, seconds: float) -> float:
-    return nbytes / seconds / 1e9 if seconds > 0 else 0.0
-
-
-# ------------------------------------------------------------------------------ raw
-def raw_io(
-    directory: Path, block_bytes: int, total_bytes: int, threads: int
-) -> tuple[float, float]:
-    """O_DIRECT pwrite then pread of ``total_bytes`` in ``block_bytes`` I/Os split over
-    ``threads``; returns (write GB/s, read GB/s)."""
-    path = directory / f"raw-{block_bytes}-{threads}.bin"
-    n = total_bytes // block_bytes
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644)
-    except OSError:
-        # No O_DIRECT here (tmpfs, some network filesystems): buffered, as the tier does.
-        logger.warning("%s refuses O_DIRECT; raw baseline uses buffered I/O", directory)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        os.posix_fallocate(fd, 0, n * block_bytes)
-        bufs = [mmap.mmap(-1, block_bytes) for _ in range(threads)]
-        for b in bufs:
-            b.write(
-                os.urandom(min(block_bytes, 1 << 16)) * (block_bytes // min(block_bytes, 1 << 16))
-            )
-
-        def worker(t: int, write: bool) -> None:
-            buf = bufs[t]
-            for i in range(t, n, threads):
-                if write:
-                    os.pwrite(fd, buf, i * block_bytes)
-                else:
-                    os.preadv(fd, [buf], i * block_bytes)
-
-        def run(write: bool) -> float:
-            start = time.perf_counter()
-            with ThreadPoolExecutor(threads) as pool:
-                list(pool.map(lambda t: worker(t, write), range(threads)))
-            return time.perf_counter() - start
-
-        w = run(True)
-        os.fsync(fd)
-        drop_page_cache()
-        r = run(False)
-        for b in bufs:
-            b.close()
-        return _gbps(n * block_bytes, w), _gbps(n * block_bytes, r)
-    finally:
-        os.close(fd)
-        path.unlink(missing_ok=True)
-
-
-def raw_best(directory: Path, block_bytes: int, total_bytes: int) -> dict[str, float]:
-    results = {t: raw_io(directory, block_bytes, total_bytes, t) for t in RAW_THREADS}
-    w_threads = max(results, key=lambda t: results[t][0])
-    r_threads = max(results, key=lambda t: results[t][1])
-    return {
-        "raw_write_gbps": results[w_threads][0],
-        "raw_read_gbps": results[r_threads][1],
-        "raw_write_threads": w_threads,
-        "raw_read_threads": r_threads,
-    }
 
 
 # ----------------------------------------------------------------------------- vLLM
@@ -179,8 +94,8 @@ def vllm_fs(directory: Path, data: torch.Tensor) -> dict[str, float | None]:
         raise AssertionError("vLLM fs tier returned different bytes")
     shutil.rmtree(root, ignore_errors=True)
     return {
-        "vllm_fs_store_gbps": _gbps(n * block_bytes, w),
-        "vllm_fs_load_gbps": _gbps(n * block_bytes, r),
+        "vllm_fs_store_gbps": gbps(n * block_bytes, w),
+        "vllm_fs_load_gbps": gbps(n * block_bytes, r),
     }
 
 
@@ -255,8 +170,8 @@ def bench_tier(
         "block_bytes": block_bytes,
         "blocks": n,
         "reps": reps,
-        "store_gbps": _gbps(n * block_bytes, min(store_s)),
-        "load_gbps": _gbps(n * block_bytes, min(load_s)),
+        "store_gbps": gbps(n * block_bytes, min(store_s)),
+        "load_gbps": gbps(n * block_bytes, min(load_s)),
         "page_cache_dropped": dropped,
     }
     for key in ("raw_write_gbps", "raw_read_gbps"):
@@ -305,8 +220,6 @@ def _chain_part(
     config: KVOffloadConfig, total_bytes: int, progress: Callable[[str], None] | None
 ) -> dict[str, Any]:
     """pool -> cpu -> the config's first mmap tier, write-through (see bench_chain)."""
-    from kvoffload.bench_chain import bench_chain
-
     mmap_tiers = [t for t in config.resolved_tiers() if t.backend == "mmap"]
     if not mmap_tiers:
         logger.warning("chain not benchmarked: the config has no mmap tier")

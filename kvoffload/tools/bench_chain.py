@@ -7,7 +7,7 @@ figure is *sustained*: bytes that reached the mmap tier divided by the time from
 first submit until every queue has drained, so a fast cpu tier cannot hide a slow
 disk. The baseline is raw ``O_DIRECT`` ``pwrite`` of the same block size in the same
 directory, measured in the same run (the best of several thread counts, as in
-:func:`kvoffload.bench.raw_best`). The target is a ratio of at least 0.7.
+:func:`kvoffload.tools.bench_raw.raw_best`). The target is a ratio of at least 0.7.
 
 The caller behaves like an engine that must not lose blocks: it keeps the mmap tier's
 queue nearly full but never full, and when the first tier refuses a store (queue full,
@@ -29,6 +29,7 @@ from kvoffload.blockpool import BlockPool
 from kvoffload.config import KVOffloadConfig, TierConfig
 from kvoffload.keys import ROOT_KEY, BlockKey, chain_key
 from kvoffload.offloader import Offloader
+from kvoffload.tools.bench_raw import layout_of_size, raw_best
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +50,6 @@ def bench_chain(
     """Measure pool -> cpu -> mmap under write-through, in a fresh directory under the
     mmap tier's path (removed afterwards); ``raw_write_gbps`` is measured here when not
     given."""
-    from kvoffload.bench import layout_of_size, raw_best
-
     base = Path(getattr(mmap_tier, "path", "kvoffload-tier")) / "bench-chain"
     shutil.rmtree(base, ignore_errors=True)
     base.mkdir(parents=True)

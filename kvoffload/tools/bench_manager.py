@@ -38,12 +38,12 @@ from typing import Any, Final
 from kvoffload.keys import BlockKey
 from kvoffload.lru_manager import LRUOffloadingManager
 from kvoffload.slots import SlotAllocator
-from kvoffload.workloads import make_workload
+from kvoffload.tools.workloads import make_workload
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_TRACE: Final = (
-    Path(__file__).resolve().parents[1] / "tests" / "data" / "mooncake_conversation_head2000.jsonl"
+    Path(__file__).resolve().parents[2] / "tests" / "data" / "mooncake_conversation_head2000.jsonl"
 )
 """The Mooncake slice the tests use; exists in a source checkout (editable install)."""
 DEFAULT_CAPACITY: Final = 8000

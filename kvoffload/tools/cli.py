@@ -3,7 +3,7 @@
 - ``kvoffload config validate FILE``: exit 0 with one OK line, or 2 with the error;
 - ``kvoffload config schema``: the config's JSON Schema;
 - ``kvoffload backends``: installed backends and where they come from;
-- ``kvoffload stress``: the seeded offload stress run (see :mod:`kvoffload.stress`);
+- ``kvoffload stress``: the seeded offload stress run (see :mod:`kvoffload.tools.stress`);
 - ``kvoffload inspect`` / ``verify``: what persistent tiers hold, and whether it is intact;
 - ``kvoffload bench``: disk-tier throughput against raw O_DIRECT and vLLM's fs tier,
   manager cost against vLLM's, gather/scatter against a plain copy;
@@ -30,7 +30,7 @@ from kvoffload.exceptions import KVOffloadError
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from kvoffload.stress import StressReport
+    from kvoffload.tools.stress import StressReport
 
 logger = logging.getLogger("kvoffload")
 
@@ -169,7 +169,7 @@ def _stress(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from kvoffload.stress import StressRunner
+    from kvoffload.tools.stress import StressRunner
 
     config = load_config(args.config)
     overrides: dict[str, Any] = {}
@@ -189,7 +189,7 @@ def _stress(args: argparse.Namespace) -> int:
             stress.pop("layout", None)  # the flag names the whole layout
         config = load_config({**config.model_dump(), "stress": {**stress, **overrides}}, env={})
     if args.plot is not None:
-        from kvoffload.plot import require_matplotlib
+        from kvoffload.tools.plot import require_matplotlib
 
         require_matplotlib()
     ops = args.ops if args.ops is not None else config.stress.ops
@@ -230,7 +230,7 @@ def _stress(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps(report.to_json(), indent=2) + "\n")
         console.print(f"report written to {args.json}")
     if args.plot is not None:
-        from kvoffload.plot import plot_report
+        from kvoffload.tools.plot import plot_report
 
         plot_report(report.to_json(), args.plot)
         console.print(f"plot written to {args.plot}")
@@ -238,7 +238,7 @@ def _stress(args: argparse.Namespace) -> int:
 
 
 def _maintenance(args: argparse.Namespace) -> int:
-    from kvoffload import maintenance
+    from kvoffload.tools import maintenance
 
     config = load_config(args.config)
     if args.command == "inspect":
@@ -280,8 +280,8 @@ def _maintenance(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from kvoffload.bench import run_bench
     from kvoffload.sizes import parse_size
+    from kvoffload.tools.bench import run_bench
 
     config = load_config(args.config)
     try:

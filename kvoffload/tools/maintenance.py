@@ -24,7 +24,7 @@ import torch
 
 from kvoffload.backend import Backend
 from kvoffload.blockpool import byte_view
-from kvoffload.config import KVOffloadConfig, TierConfig
+from kvoffload.config import KVOffloadConfig, TierConfig, layout_from_config
 from kvoffload.exceptions import ConfigError, LayoutMismatchError
 from kvoffload.keys import MAX_KEY_BYTES, BlockKey
 from kvoffload.layout import KVLayout
@@ -38,18 +38,12 @@ BATCH_BYTES: Final = 64 * 1024 * 1024
 SNAPSHOT_FORMAT: Final = "kvoffload-snapshot-v1"
 
 
-def _stress_layout(config: KVOffloadConfig) -> KVLayout:
-    from kvoffload.stress import layout_from_config
-
-    return layout_from_config(config)
-
-
 def tier_layout(tier: TierConfig, config: KVOffloadConfig) -> KVLayout:
     """The layout the tier's data was written under, or the config's stress layout."""
     cls = get_backend_class(tier.backend)
     stored = getattr(cls, "stored_layout", None)
     layout = stored(tier) if stored is not None else None
-    return layout if isinstance(layout, KVLayout) else _stress_layout(config)
+    return layout if isinstance(layout, KVLayout) else layout_from_config(config)
 
 
 def _persistent_tiers(config: KVOffloadConfig, name: str | None) -> list[TierConfig]:

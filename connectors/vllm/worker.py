@@ -1,0 +1,194 @@
+"""The worker side: the tiers next to the KV tensors; loads, stores, finished requests.
+
+vLLM builds the connector with ``role=WORKER`` in each worker process, and
+:class:`TieredOffloadConnector` hands that role's calls to :class:`TieredOffloadWorker`.
+It owns the :class:`~kvoffload.offloader.Offloader` (tiers, lanes, books), registered
+with its books server in :mod:`.shared` at ``register_kv_caches``; each step it carries
+out the scheduler side's :class:`~.scheduler.TieredOffloadMetadata`: loads within the
+step (``start_load_kv`` waits for them), stores in the background (``wait_for_save``
+submits them), and reports the requests whose stores are done (``get_finished``), the
+blocks that failed to load, its stats and its KV events. Kept apart from
+:mod:`.scheduler` because it runs in another process in vLLM's default mode.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from kvoffload.blockpool import BlockPool
+from kvoffload.config import KVOffloadConfig
+from kvoffload.layout import KVLayout
+from kvoffload.offloader import Offloader
+
+from .affinity import _rank_affinity
+from .books import _BooksServer
+from .events import MAX_EVENT_HASHES, TieredOffloadKVEvents, _EventBook
+from .metrics import TieredOffloadStats, _snapshot
+from .scheduler import TieredOffloadMetadata, _Load
+from .shared import _REGISTRY, _REGISTRY_LOCK, _Shared
+
+logger = logging.getLogger(__name__)
+
+
+class TieredOffloadWorker:
+    """The worker side of one engine's rank (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        config: KVOffloadConfig,
+        layout: KVLayout,
+        engine_id: str,
+        rank: int,
+        ranks: int,
+        slot: str,
+        block_size: int,
+        events: bool,
+    ) -> None:
+        self.config = config
+        self.layout = layout
+        self.engine_id = engine_id
+        self.rank = rank
+        self.ranks = ranks
+        self.block_size = block_size
+        self._slot = slot
+        self._events_enabled = events
+        self._store_jobs: dict[int, str] = {}
+        self._stores_left: dict[str, int] = {}
+        self._finished_waiting: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._ever_stored: set[str] = set()
+        self._reported: dict[str, int | float] = {}
+
+    def _shared(self) -> _Shared:
+        """The worker side's state (worker side only)."""
+        with _REGISTRY_LOCK:
+            shared = _REGISTRY.get(self._slot)
+        if shared is None:
+            raise RuntimeError("TieredOffloadConnector: no Offloader: register_kv_caches first")
+        return shared
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        with _rank_affinity(self.ranks):
+            pool = BlockPool(list(kv_caches.values()))
+            offloader = Offloader(self.config, self.layout, pool, events=self._events_enabled)
+        held = sum(t.capacity_blocks for t in offloader.stats)
+        book = _EventBook(enabled=self._events_enabled, cap=min(held, MAX_EVENT_HASHES))
+        shared = _Shared(offloader, book, self.layout.fingerprint)
+        shared.server = _BooksServer(shared, self.engine_id, self.rank)
+        with _REGISTRY_LOCK:
+            _REGISTRY[self._slot] = shared
+        logger.info(
+            "kvoffload: %d tier(s) (%s) for %d GPU blocks of %d bytes",
+            len(offloader.tiers),
+            ", ".join(t.name for t in offloader.tiers),
+            pool.num_blocks,
+            pool.bytes_per_block,
+        )
+
+    def start_load_kv(self, meta: KVConnectorMetadata) -> None:
+        """Load the step's planned blocks into the engine's, and wait for them."""
+        assert isinstance(meta, TieredOffloadMetadata)
+        if not meta.loads:
+            return
+        shared = self._shared()
+        off = shared.offloader
+        jobs: dict[int, _Load] = {}
+        for load in meta.loads:
+            with shared.lock:
+                plan = shared.plans.pop(load.plan_id)
+            if load.hashes:  # promotions into the first tier are stores too
+                shared.events.remember(plan.keys, load.hashes[: plan.hits])
+            job = off.submit_load(plan, load.block_ids[: plan.hits])
+            if job is None:
+                self._load_errors.update(load.block_ids)
+                continue
+            # Claimed blocks are pinned, so a plan is never short; were it, the rest
+            # would be load errors too.
+            self._load_errors.update(load.block_ids[plan.hits :])
+            jobs[job] = load
+        for result in off.wait(list(jobs)):
+            load = jobs[result.job_id]
+            loaded = result.nbytes // off.bpb if result.success else 0
+            self._load_errors.update(load.block_ids[loaded:])
+            shared.bump("blocks_loaded", loaded)
+            shared.bump("tokens_loaded", loaded * self.block_size)
+            if load.resumed:
+                shared.bump("blocks_loaded_after_preemption", loaded)
+
+    def wait_for_save(self, meta: KVConnectorMetadata) -> None:
+        """Submit the stores of the blocks that became full this step; returns at once."""
+        assert isinstance(meta, TieredOffloadMetadata)
+        shared = self._shared()
+        off = shared.offloader
+        for store in meta.stores:
+            shared.bump("blocks_submitted_for_store", len(store.keys))
+            self._ever_stored.add(store.req_id)
+            keys = shared.ns(store.keys)
+            if store.hashes:
+                shared.events.remember(keys, store.hashes)
+            job = off.submit_store(keys, store.block_ids)
+            if job is not None:
+                self._store_jobs[job] = store.req_id
+                self._stores_left[store.req_id] = self._stores_left.get(store.req_id, 0) + 1
+
+    def handle_preemptions(self) -> None:
+        # A preempted request's blocks are about to be reused: finish its stores first.
+        shared = _REGISTRY.get(self._slot)
+        if self._store_jobs and shared is not None:
+            self._collect(shared, shared.offloader.wait(list(self._store_jobs)))
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        shared = _REGISTRY.get(self._slot)
+        if shared is not None:
+            self._collect(shared, shared.offloader.get_finished())
+        self._finished_waiting.update(r for r in finished_req_ids if r in self._ever_stored)
+        done = {r for r in self._finished_waiting if self._stores_left.get(r, 0) == 0}
+        self._finished_waiting -= done
+        self._ever_stored -= done
+        return (done or None), None
+
+    def _collect(self, shared: _Shared, results: list[Any]) -> None:
+        """Book finished store jobs: per request, and the tokens they wrote."""
+        bpb = shared.offloader.bpb
+        for result in results:
+            req_id = self._store_jobs.pop(result.job_id, None)
+            if req_id is not None:
+                if result.success:
+                    shared.bump("tokens_stored", result.nbytes // bpb * self.block_size)
+                self._stores_left[req_id] -= 1
+                if self._stores_left[req_id] == 0:
+                    del self._stores_left[req_id]
+
+    def get_kv_connector_stats(self) -> TieredOffloadStats | None:
+        """Counts since the previous call (the connector asks only this half: see
+        ``TieredOffloadConnector.get_kv_connector_stats``)."""
+        shared = _REGISTRY.get(self._slot)
+        if shared is None:
+            return None
+        now = _snapshot(shared)
+        delta = {k: v - self._reported.get(k, 0) for k, v in now.items()}
+        self._reported = now
+        stats = TieredOffloadStats(data={k: v for k, v in delta.items() if v})
+        return None if stats.is_empty() else stats
+
+    def get_kv_connector_kv_cache_events(self) -> TieredOffloadKVEvents | None:
+        """The tiers' KV events since the previous step (worker side; ``None`` when
+        there are none, or events are off). Drains the tiers' records either way."""
+        shared = _REGISTRY.get(self._slot)
+        if shared is None:
+            return None
+        events, unknown = shared.events.take(shared.offloader)
+        shared.bump("kv_events_dropped", unknown)
+        return TieredOffloadKVEvents(events) if events else None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        shared = _REGISTRY.get(self._slot)
+        if shared is not None:
+            shared.bump("load_errors", len(errors))
+        return errors
