@@ -1,4 +1,5 @@
-"""Shared fixtures. Under CI=true nothing that can run here may be skipped."""
+"""Shared fixtures. Under CI=true nothing that can run here may be skipped; tests marked
+``cuda`` are deselected where there is no CUDA device."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from kvoffload import registry
 
@@ -21,6 +23,13 @@ def fresh_registry() -> Iterator[None]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Tests marked ``cuda`` cannot run without a GPU (CI never has one): they are
+    # deselected there, not skipped, so the rule below still holds for everything else.
+    if not torch.cuda.is_available():
+        gpu = [item for item in items if item.get_closest_marker("cuda")]
+        if gpu:
+            config.hook.pytest_deselected(items=gpu)
+            items[:] = [item for item in items if not item.get_closest_marker("cuda")]
     if not IN_CI:
         return
     for item in items:

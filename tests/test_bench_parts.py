@@ -11,10 +11,12 @@ import math
 from pathlib import Path
 from typing import Any
 
+from checkout import TRACE
+
 from kvoffload.config import load_config
 from kvoffload.tools.bench import run_bench
 from kvoffload.tools.bench_cpu import LAYOUTS, RATIO_MIN_BLOCK_BYTES, bench_cpu
-from kvoffload.tools.bench_manager import DEFAULT_TRACE, bench_manager, load_trace
+from kvoffload.tools.bench_manager import bench_manager, load_trace
 from kvoffload.tools.workloads import make_workload, prefix_hit_ratio
 
 MAX_BLOCKS = 8  # per request: the whole trace's reuse, at a quarter of its blocks
@@ -42,8 +44,8 @@ def test_cpu_ratios_schema_and_headline() -> None:
 
 
 def test_manager_matches_vllm_lru_on_trace() -> None:
-    report = bench_manager(DEFAULT_TRACE, capacity=CAPACITY, reps=1, max_blocks=MAX_BLOCKS)
-    requests = load_trace(DEFAULT_TRACE, max_blocks=MAX_BLOCKS)
+    report = bench_manager(TRACE, capacity=CAPACITY, reps=1, max_blocks=MAX_BLOCKS)
+    requests = load_trace(TRACE, max_blocks=MAX_BLOCKS)
     assert report["requests"] == len(requests) == 2000
     assert report["blocks"] == sum(len(keys) for keys in requests)
     assert report["distinct_blocks"] > 2 * CAPACITY  # eviction must happen
@@ -54,7 +56,7 @@ def test_manager_matches_vllm_lru_on_trace() -> None:
     # Same capacity, same LRU semantics (evict before insert, the request's own blocks
     # protected, head of each request most recent): the same blocks stay, so the same
     # hits; and no request here is near CAPACITY, so both also equal an ideal LRU.
-    workload = make_workload("trace", path=DEFAULT_TRACE, max_blocks=MAX_BLOCKS)
+    workload = make_workload("trace", path=TRACE, max_blocks=MAX_BLOCKS)
     ideal = prefix_hit_ratio(workload, CAPACITY)
     assert report["manager_hits"] > report["requests"]  # more than the shared first block
     assert report["manager_hits"] == report["vllm_lru_hits"]
@@ -63,7 +65,7 @@ def test_manager_matches_vllm_lru_on_trace() -> None:
 
 def test_run_bench_without_persistent_tier(tmp_path: Path) -> None:
     trace = tmp_path / "head.jsonl"
-    lines = DEFAULT_TRACE.read_text().splitlines(keepends=True)[:50]
+    lines = TRACE.read_text().splitlines(keepends=True)[:50]
     trace.write_text("".join(lines))
     config = load_config({"version": 1, "tiers": [{"name": "cpu", "backend": "cpu"}]})
     report = run_bench(

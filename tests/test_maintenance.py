@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import random
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import yaml
+from checkout import KVOFFLOAD
 from kvoffload.backends.mmap import ALIGN, MmapBackend
 
 from kvoffload.config import KVOffloadConfig, layout_from_config, load_config
@@ -27,7 +27,6 @@ from kvoffload.tools.maintenance import (
 )
 from kvoffload.tools.stress import BlockDataGenerator
 
-KVOFFLOAD = Path(sys.executable).parent / "kvoffload"
 LAYOUT = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 32, "block_size": 16}  # 8 KiB
 
 

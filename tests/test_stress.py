@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from checkout import KVOFFLOAD
 from kvoffload.backends.cpu import CPUBackend
 
 from kvoffload.config import load_config
@@ -17,7 +17,6 @@ from kvoffload.exceptions import ConfigError
 from kvoffload.tools.stress import StressRunner
 
 REPO = Path(__file__).resolve().parents[1]
-KVOFFLOAD = Path(sys.executable).parent / "kvoffload"
 
 SMALL_STRESS: dict[str, Any] = {
     "layout": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 32, "block_size": 16},

@@ -1,7 +1,7 @@
 """The Offloader with a CUDA block pool: bit-exact round trips for both block layouts,
 through a pinned cpu tier and a real mmap tier, and the stream ordering the data path
 promises (a store sees the kernels queued before it; a load lands after them), checked
-while the compute stream is kept busy. Skipped without CUDA (CI has none); run on the
+while the compute stream is kept busy. Deselected without CUDA (CI has none); run on the
 GPU machine, see docs/benchmarks.md."""
 
 from __future__ import annotations
@@ -18,10 +18,7 @@ from kvoffload.keys import ROOT_KEY, BlockKey, chain_key
 from kvoffload.layout import KVLayout
 from kvoffload.offloader import Offloader
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = pytest.mark.cuda  # deselected without CUDA (tests/conftest.py)
 
 LAYOUT = KVLayout(num_layers=8, num_kv_heads=4, head_dim=128, block_size=16, namespace="gpu")
 BPB = LAYOUT.bytes_per_block  # 256 KiB
