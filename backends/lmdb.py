@@ -130,10 +130,11 @@ class LmdbBackend(Backend):
         self.fsync = config.fsync
         self.map_size = map_size_for(layout, self.num_slots)
         """Bytes mapped by a writer; set before first use to change it (tests do)."""
-        self.corrupt_blocks = 0
-        """Blocks a read found damaged, of another layout, or (when writable) missing."""
         self.missing_blocks = 0
-        """Read-only: blocks asked for that the writer has since replaced (not damage)."""
+        """Read-only: blocks asked for that the writer has since replaced (not damage).
+        Blocks found damaged, of another layout, or (when writable) missing are not
+        counted here but by the Offloader, which sees every tier's reads (its
+        ``corrupt_blocks``); they are logged, the first at warning level."""
         # slot -> key and key -> slot, inverse of each other. A freed slot keeps its key
         # until the slot is reused or discarded: the record is still intact, and a
         # restart may as well recover it.
@@ -535,12 +536,12 @@ class LmdbBackend(Backend):
 
     def _corrupt(self, key: bytes, problem: str) -> None:
         with self._stats_lock:
-            self.corrupt_blocks += 1
             first, self._warned = not self._warned, True
         if first:
             logger.warning(
                 "tier %s: block %s is unusable (%s) and is served as a miss; further "
-                "ones are logged at debug level and counted in corrupt_blocks",
+                "ones are logged at debug level (the Offloader counts them all in the "
+                "tier's corrupt_blocks)",
                 self.name,
                 key.hex(),
                 problem,

@@ -123,12 +123,14 @@ class MmapBackend(Backend):
         self.dir = Path(config.path)
         self.payload_bytes = layout.bytes_per_block
         self.stride = _align_up(self.payload_bytes)  # bytes between slot starts
-        self.corrupt_blocks = 0
         self.record_access = True
         """Whether loads refresh ``atime``; maintenance scans turn it off so that a
         ``verify`` does not flatten the LRU order a restart will restore."""
+        # Blocks failing verification are counted by the Offloader, which sees every
+        # tier's reads (its ``corrupt_blocks``); here they are only logged, the first
+        # at warning level.
         self._warned_corrupt = False
-        # The in-memory header tables, ``_seq``, ``_dirty_pages`` and the counters. Held
+        # The in-memory header tables, ``_seq`` and ``_dirty_pages``. Held
         # for memory work only, never across I/O: a load updating ``atime`` must not
         # wait for a concurrent store's header write and fdatasync.
         self._lock = threading.Lock()
@@ -453,7 +455,6 @@ class MmapBackend(Backend):
                     self._dirty_pages.add((f.index, local * HEADER_BYTES // ALIGN))
                 elif not valid[i]:
                     bad += 1
-            self.corrupt_blocks += bad
         if bad:
             log = logger.debug if self._warned_corrupt else logger.warning
             self._warned_corrupt = True

@@ -26,6 +26,7 @@ from typing import Any, Final
 from kvoffload.config import TierConfig
 from kvoffload.keys import BlockKey
 from kvoffload.manager import OffloadingManager
+from kvoffload.metrics import TierCounters
 
 LATENCY_SAMPLES: Final = 100_000
 """Latency samples kept per tier and direction (the most recent ones)."""
@@ -36,35 +37,13 @@ HIT_COUNTS: Final = 1 << 20
 
 
 @dataclass
-class TierStats:
-    """Counters of one tier since the Offloader started (read under its lock)."""
+class TierStats(TierCounters):
+    """Counters of one tier since the Offloader started (read under its lock).
 
-    name: str
-    backend: str
-    capacity_blocks: int
-    write_policy: str
-    hits: int = 0
-    """Blocks loaded from this tier (the fastest tier holding each)."""
-    misses: int = 0
-    """Requested blocks this tier did not serve: found lower down, or nowhere."""
-    blocks_stored: int = 0
-    bytes_written: int = 0
-    bytes_read: int = 0
-    write_seconds: float = 0.0
-    read_seconds: float = 0.0
-    evictions: int = 0
-    dropped_stores: int = 0
-    """Blocks not stored because this tier's store queue was full or too slow."""
-    rejected_stores: int = 0
-    """Blocks not stored because no room could be made (every candidate pinned)."""
-    not_admitted: int = 0
-    """Blocks kept out by ``admit_after_hits``."""
-    store_errors: int = 0
-    """Blocks whose write raised (an I/O error): not stored."""
-    corrupt_blocks: int = 0
-    """Blocks a load found invalid (checksum, key or layout): dropped, served as misses."""
-    promotions: int = 0
-    """Blocks copied up into this tier by a load (first tier only)."""
+    The counters themselves, with their meaning, are declared once in
+    :class:`~kvoffload.metrics.TierCounters`, whence every output takes them; this
+    class adds what only the books keep: recent latency samples."""
+
     store_latency_s: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_SAMPLES))
     """Submit-to-done time of store jobs into this tier."""
     load_latency_s: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_SAMPLES))

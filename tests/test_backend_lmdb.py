@@ -268,10 +268,9 @@ def test_a_flipped_payload_byte_is_a_miss_for_that_block_only(
     assert valid == [True, False, True]
     assert torch.equal(out[0], data[0])
     assert torch.equal(out[2], data[2])
-    assert be.corrupt_blocks == 1
-    # Again: counted again, but warned about only once.
+    # Again: a miss again, but warned about only once. (Counting is the Offloader's:
+    # its tier's corrupt_blocks, one path for every backend.)
     assert _read(be, [by_key[keys[1]]], keys[1:2])[0] == [False]
-    assert be.corrupt_blocks == 2
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
     assert "checksum" in warnings[0].getMessage()
@@ -522,7 +521,7 @@ def test_a_reader_process_reads_while_another_writes(tmp_path: Path) -> None:
 
     threading.Thread(target=pump, daemon=True).start()
     ro: LmdbBackend | None = None
-    reads = hits = 0
+    reads = hits = invalid = 0
     try:
         while line := reported.get(timeout=30):
             if ro is None:  # the first report means the environment exists
@@ -534,6 +533,7 @@ def test_a_reader_process_reads_while_another_writes(tmp_path: Path) -> None:
             gone = BlockKey(b"block-%08d" % (i - 32))
             valid, out = _read(ro, [0, 1], [key, gone])
             reads += 1
+            invalid += valid.count(False)
             assert valid[1] is False or i < 32
             if valid[0]:
                 # Whatever the reader gets is exactly what was written, never torn.
@@ -549,7 +549,9 @@ def test_a_reader_process_reads_while_another_writes(tmp_path: Path) -> None:
             proc.stdout.close()
     assert ro is not None
     assert reads == 300
-    assert ro.corrupt_blocks == 0
+    # Every block the reader missed was one the writer had replaced, none damaged: a
+    # damaged one is not counted as missing.
+    assert ro.missing_blocks == invalid
     # A new block can only be gone if the writer replaced it (32 writes later) before
     # the reader got to it; nearly every read must hit.
     assert hits >= reads * 3 // 4

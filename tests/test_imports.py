@@ -31,7 +31,8 @@ the layers, and plugins that are not ours to place.
 The layers, lowest first (:data:`LAYERS`); a module may import from its own layer and
 the ones below, never from above, and within a layer only without cycles:
 
-1. basic data: config, keys, layout, sizes, exceptions, record, slots, dirlock, plugins;
+1. basic data: config, keys, layout, sizes, exceptions, record, slots, dirlock, plugins,
+   metrics;
 2. bookkeeping: manager, lru_manager, policies;
 3. storage: backend, registry, tier, hostcopy, and the backends;
 4. data movement: blockpool, transfer, books, datapath;
@@ -74,6 +75,9 @@ LAYERS: Final[dict[int, tuple[str, tuple[str, ...]]]] = {
             # The entry-point name table the registry is built on: the config finds a
             # plugin tier's settings model through it, without the backend layer.
             "plugins",
+            # The tier metric schema: the books count it, the tools and the connector
+            # report it, so it sits below all of them.
+            "metrics",
         ),
     ),
     2: ("bookkeeping", ("manager", "lru_manager", "policies")),

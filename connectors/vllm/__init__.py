@@ -14,8 +14,9 @@ process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) the scheduler side calls the work
 Offloader directly, through a process-local registry keyed by the engine id. In vLLM's
 default mode the worker runs in its own process (on the CPU build always: its platform
 turns the ``uni`` executor into ``mp``), and the scheduler side asks it over a Unix
-socket (:mod:`.books`): two questions, ``lookup`` and ``plan``, microseconds
-each. One worker per engine (TP 1) for now.
+socket (:mod:`.books`): ``lookup``, ``plan`` and ``release``, microseconds each.
+Under tensor parallelism each rank's worker serves its own books, and the scheduler
+side takes the smallest answer of all ranks (``None`` if any is undecided).
 
 - **Keys** are vLLM's own ``request.block_hashes`` (chained, seeded: never rehashed),
   namespaced by the layout fingerprint and the TP rank, so another model's or rank's

@@ -1,11 +1,14 @@
 """Stats and Prometheus: what the connector counts, and how vLLM sees it.
 
 The counters live with the worker side's state (:class:`~.shared._Shared` and the
-Offloader's own ``TierStats``); this module names them (:data:`COUNTERS`,
-:data:`TIER_STATS`), reads them (:func:`_snapshot`), carries their deltas to vLLM
-(:class:`TieredOffloadStats`) and exposes them as ``vllm:kvoffload_*`` counters
-(:class:`TieredOffloadPromMetrics`, built in vLLM's metrics process, which runs neither
-role). One module, because the names, the help texts and the exposition must agree.
+Offloader's own ``TierStats``); this module names the connector's own
+(:data:`COUNTERS`), takes the tiers' from the tier metric schema
+(:data:`TIER_STATS`, from :mod:`kvoffload.metrics`, so the stress report, the docs and
+this exposition cannot disagree on them), reads them (:func:`_snapshot`), carries their
+deltas to vLLM (:class:`TieredOffloadStats`) and exposes them as ``vllm:kvoffload_*``
+counters (:class:`TieredOffloadPromMetrics`, built in vLLM's metrics process, which
+runs neither role). One module, because the names, the help texts and the exposition
+must agree.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from kvoffload.exceptions import ConfigError
+from kvoffload.metrics import TIER_METRICS, tier_values
 
 from .config import config_from_vllm
 
@@ -30,21 +34,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-TIER_STATS: Final[dict[str, str]] = {
-    "hits": "Blocks loaded from this tier (the fastest tier holding each).",
-    "blocks_stored": "Blocks written into this tier: engine stores, copies down the chain "
-    "and promotions.",
-    "bytes_written": "Bytes of the blocks written into this tier.",
-    "bytes_read": "Bytes read from this tier: loads, and blocks read to be copied into the "
-    "next tier.",
-    "dropped_stores": "Blocks not stored because this tier's store queue was full or too slow.",
-    "corrupt_blocks": "Blocks a load found invalid (checksum, key or layout): dropped from the "
-    "tier and recomputed.",
-    "write_seconds": "Seconds spent writing this tier (throttling included).",
-    "read_seconds": "Seconds spent reading this tier.",
-}
-"""Per-tier counters, from the Offloader's ``TierStats`` (name: Prometheus help text).
-The ``*_seconds`` values are floats, the others ints."""
+TIER_STATS: Final[dict[str, str]] = {m.name: m.help for m in TIER_METRICS}
+"""Per-tier counters (name: Prometheus help text): every counter of the tier metric
+schema (:data:`kvoffload.metrics.TIER_METRICS`), read from the Offloader's
+``TierStats``. The ``seconds`` ones are floats, the others ints."""
 
 
 @dataclass
@@ -110,6 +103,8 @@ PREFETCH_COUNTERS: Final[dict[str, str]] = {
 PROM_PREFIX: Final = "vllm:kvoffload_"
 """Prometheus names: ``vllm:kvoffload_<counter>`` and ``vllm:kvoffload_tier_<counter>``
 (label ``tier``). Counters, so the exposition adds ``_total`` (as for vLLM's own)."""
+TIER_PROM_PREFIX: Final = f"{PROM_PREFIX}tier_"
+"""Prometheus names of the :data:`TIER_STATS`: ``vllm:kvoffload_tier_<counter>``."""
 
 
 def _snapshot(shared: _Shared) -> dict[str, int | float]:
@@ -121,8 +116,8 @@ def _snapshot(shared: _Shared) -> dict[str, int | float]:
     for name, attr in PREFETCH_COUNTERS.items():
         counts[name] = getattr(prefetch, attr)
     for t in shared.offloader.stats:
-        for name in TIER_STATS:
-            counts[f"tier.{t.name}.{name}"] = getattr(t, name)
+        for name, value in tier_values(t).items():
+            counts[f"tier.{t.name}.{name}"] = value
     return counts
 
 
@@ -152,7 +147,7 @@ class TieredOffloadPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]  #
         }
         self._tier_counters = {
             name: self._counter_cls(
-                name=f"{PROM_PREFIX}tier_{name}",
+                name=f"{TIER_PROM_PREFIX}{name}",
                 documentation=doc,
                 labelnames=[*labelnames, "tier"],
             )

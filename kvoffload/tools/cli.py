@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvoffload.config import LAYOUT_PRESETS, config_schema, load_config
 from kvoffload.exceptions import KVOffloadError
+from kvoffload.metrics import TIER_METRICS
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -351,6 +352,11 @@ def _ms(value: float | None, digits: int | None = None) -> str:
     return f"{value:.{digits}g}" if digits else f"{value:.3f}"
 
 
+def _count(value: object) -> str:
+    """A counter's table cell: ints as they are, seconds to the millisecond."""
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
 def _usage(message: str) -> KVOffloadError:
     return KVOffloadError(message)
 
@@ -358,19 +364,16 @@ def _usage(message: str) -> KVOffloadError:
 def _print_report(console: Console, report: StressReport) -> None:
     from rich.table import Table
 
+    # The counter columns come from the metric schema: the counters declared with a
+    # stress-table column, in declaration order (counter name -> column header).
+    columns = {m.name: m.column for m in TIER_METRICS if m.column is not None}
     table = Table(title="kvoffload stress: per tier")
     for col in (
         "tier",
         "backend",
         "policy",
         "capacity",
-        "hits",
-        "misses",
-        "stored",
-        "evicted",
-        "dropped",
-        "rejected",
-        "corrupt",
+        *columns.values(),
         "write GB/s",
         "read GB/s",
         "store ms p50/p99",
@@ -384,13 +387,7 @@ def _print_report(console: Console, report: StressReport) -> None:
             t.backend,
             t.write_policy,
             f"{t.capacity_blocks} blk",
-            str(t.hits),
-            str(t.misses),
-            str(t.blocks_stored),
-            str(t.evictions),
-            str(t.dropped_stores),
-            str(t.rejected_stores),
-            str(t.corrupt_blocks),
+            *(_count(getattr(t, name)) for name in columns),
             f"{t.write_gbps:.2f}",
             f"{t.read_gbps:.2f}",
             f"{_ms(t.store_p50_ms, 3)}/{_ms(t.store_p99_ms, 3)}",

@@ -22,7 +22,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
@@ -32,6 +32,7 @@ from kvoffload.blockpool import BlockPool
 from kvoffload.config import KVOffloadConfig, StressConfig, layout_from_config
 from kvoffload.exceptions import BlockStateError, ConfigError
 from kvoffload.keys import BlockKey
+from kvoffload.metrics import TierCounters, tier_fields
 from kvoffload.offloader import LoadPlan, Offloader, TierStats
 from kvoffload.tools.workloads import Workload, make_workload
 from kvoffload.transfer import JobResult
@@ -111,32 +112,15 @@ def percentile_ms(samples: Sequence[float], q: float) -> float | None:
     return ordered[k] * 1e3
 
 
-@dataclass
-class TierReport:
-    """Per-tier outcome of one run (one row of the table, one ``tiers[]`` entry)."""
+@dataclass(kw_only=True)
+class TierReport(TierCounters):
+    """Per-tier outcome of one run (one row of the table, one ``tiers[]`` entry).
 
-    name: str
-    backend: str
-    write_policy: str
-    """``first`` for the tier taking the engine's stores, else its ``write_policy``."""
-    capacity_blocks: int
-    hits: int
-    """Blocks loaded from this tier (the fastest tier holding each)."""
-    misses: int
-    """Requested blocks this tier did not serve (found lower down, or nowhere)."""
-    blocks_stored: int
-    bytes_written: int
-    bytes_read: int
-    """Includes reads that copy blocks down to the next tier."""
-    evictions: int
-    dropped_stores: int
-    """Blocks not stored because the tier's queue was full or too slow (backpressure)."""
-    rejected_stores: int
-    """Blocks not stored because no room could be made (every candidate pinned)."""
-    not_admitted: int
-    store_errors: int
-    corrupt_blocks: int
-    promotions: int
+    The tier and its counters are inherited from
+    :class:`~kvoffload.metrics.TierCounters`, the one declaration of the tier metrics
+    (so a new counter is in the report and its JSON without a line here); what this
+    class adds is derived from them over the run."""
+
     write_gbps: float
     """``bytes_written`` over the run's wall time."""
     read_gbps: float
@@ -150,9 +134,8 @@ class TierReport:
     @classmethod
     def from_stats(cls, s: TierStats, seconds: float) -> TierReport:
         """The report of a tier's counters over a run of ``seconds``."""
-        shared = {f.name for f in fields(cls)} & {f.name for f in fields(s)}
         return cls(
-            **{name: getattr(s, name) for name in shared},
+            **tier_fields(s),
             write_gbps=s.bytes_written / seconds / 1e9 if seconds else 0.0,
             read_gbps=s.bytes_read / seconds / 1e9 if seconds else 0.0,
             store_p50_ms=percentile_ms(s.store_latency_s, 50),
