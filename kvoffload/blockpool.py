@@ -65,6 +65,7 @@ from typing import Any, ClassVar, Final
 import numpy.typing as npt
 import torch
 
+from kvoffload.cudacopy import LayerCopy, for_layers
 from kvoffload.exceptions import LayoutMismatchError
 from kvoffload.hostcopy import QUEUE_MIN_BYTES as QUEUE_MIN_BYTES
 from kvoffload.hostcopy import Chooser as Chooser
@@ -160,6 +161,8 @@ class BlockPool:
         ]
         self._gather_pick = Chooser()
         self._scatter_pick = Chooser()
+        # The one-launch device copy: False until first looked for (then it or None).
+        self._kernel: LayerCopy | bool | None = False if device.type == "cuda" else None
 
     @classmethod
     def allocate(
@@ -277,15 +280,32 @@ class BlockPool:
     def pack(self, index: torch.Tensor, out: torch.Tensor) -> None:
         """Pack the blocks ``index`` (from :meth:`device_index`) into ``out``, a ``uint8
         [n, bytes_per_block]`` buffer on the pool's device; queued on the current
-        stream."""
+        stream. One kernel for all layers where :mod:`kvoffload.cudacopy` serves this
+        pool, else one op per layer."""
         self._check_buffer(out, index.numel())
-        self._gather_team(index, out)
+        kernel = self._layer_copy()
+        if kernel is not None:
+            kernel.pack(index, out)
+        else:
+            self._gather_team(index, out)
 
     def unpack(self, index: torch.Tensor, src: torch.Tensor) -> None:
         """Unpack ``src`` (on the pool's device) into the blocks ``index``; queued on the
-        current stream."""
+        current stream (one kernel, or one op per layer, as :meth:`pack`)."""
         self._check_buffer(src, index.numel())
-        self._scatter_team(index, src)
+        kernel = self._layer_copy()
+        if kernel is not None:
+            kernel.unpack(index, src)
+        else:
+            self._scatter_team(index, src)
+
+    def _layer_copy(self) -> LayerCopy | None:
+        """The one-launch copy for this pool, built on first use (``None`` on the host,
+        without Triton, or for layouts it does not serve)."""
+        if self._kernel is False:
+            found = for_layers(self._views, self.layer_offsets, self.bytes_per_block)
+            self._kernel = found if found is not None else None
+        return self._kernel if isinstance(self._kernel, LayerCopy) else None
 
     # -- strategies ---------------------------------------------------------------
     def _choosing(self, nbytes: int) -> bool:

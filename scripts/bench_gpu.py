@@ -7,15 +7,17 @@ For block sizes from 16 KiB to 4 MiB, measures with CUDA events:
 - into/from pinned host memory and into/from pageable memory;
 - through ``BlockPool.gather``/``scatter`` (the block API) into a pinned staging buffer.
 
-``--sections offloader`` measures the :class:`~kvoffload.offloader.Offloader` itself at
-64 KiB, 256 KiB and 2 MiB blocks (32 layers, bf16), from a CUDA pool of 2 GiB of blocks:
-store GB/s into the pinned cpu tier, load GB/s back, both directions at once (new
-stores while loading), how much slower a bf16 matmul loop runs while that 2 GiB moves
-each way, and a cpu -> mmap chain (write-through store, then verified prefetch and
-load). ``--json`` keys per block size: ``store_ratio``, ``load_ratio`` (each to the
-contiguous pinned copy of the same direction), ``both_ratio`` (both directions' bytes
-per second over the faster one-way copy), ``compute_slowdown``. ``--sections pin``
-times making a large pinned slab two ways.
+``--sections offloader`` measures the :class:`~kvoffload.offloader.Offloader` itself
+(once per ``--copy`` mode: the block pool's device copy as one Triton launch,
+``kernel``, or as one torch op per layer, ``torch``) at 64 KiB, 256 KiB and 2 MiB blocks
+(32 layers, bf16), from a CUDA pool of 2 GiB of blocks: store GB/s into the pinned cpu
+tier, load GB/s back, both directions at once (new stores while loading), how much
+slower a bf16 matmul loop runs while that 2 GiB moves each way, and a cpu -> mmap chain
+(write-through store, then verified prefetch and load). ``--json`` keys per block size:
+``store_ratio``, ``load_ratio`` (each to the contiguous pinned copy of the same
+direction), ``both_ratio`` (both directions' bytes per second over the faster one-way
+copy), ``compute_slowdown``. ``--sections pin`` times making a large pinned slab two
+ways.
 
 The baseline of every ratio is a plain ``tensor.copy_`` of one contiguous region of the
 same total size, pinned, in the same run: the PCIe limit this machine reaches. Target
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -326,8 +329,21 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--sections", default="copies,offloader,pin")
     ap.add_argument("--mmap-dir", type=Path, default=None, help="where the mmap tier goes")
+    ap.add_argument(
+        "--copy",
+        default="torch",
+        help="device copies to measure the Offloader with: kernel (one Triton launch), torch",
+    )
+    ap.add_argument(
+        "--switch-interval",
+        type=float,
+        default=None,
+        help="sys.setswitchinterval for the run (seconds; Python's default is 0.005)",
+    )
     args = ap.parse_args()
     sections = set(args.sections.split(","))
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     if not torch.cuda.is_available():
         print("bench_gpu: no CUDA device here; run it on a machine with a GPU", file=sys.stderr)
         return 2
@@ -357,22 +373,26 @@ def main() -> int:
         )
     report: dict[str, Any] = {"base_d2h_gbps": base_d2h, "base_h2d_gbps": base_h2d, "rows": rows}
     if "offloader" in sections:
-        report["offloader"] = {}
-        with tempfile.TemporaryDirectory(dir=args.mmap_dir) as tmp:
-            for kib in OFFLOADER_KIB:
-                r = bench_offloader(kib, base_d2h, base_h2d, Path(tmp))
-                report["offloader"][f"{kib}KiB"] = r
-                print(
-                    f"offloader {kib:>5} KiB  store {r['store_gbps']:5.1f} GB/s "
-                    f"({r['store_ratio']:.2f}x)  load {r['load_gbps']:5.1f} "
-                    f"({r['load_ratio']:.2f}x)  both {r['both_gbps']:5.1f} "
-                    f"({r['both_ratio']:.2f}x; {r['both_vs_one_way']:.2f}x one way)  "
-                    f"matmul {r['compute_slowdown']:.3f}x  exact {r['bit_exact']}  "
-                    f"setup {r['setup_seconds']:.2f} s  chain store {r['chain_store_gbps']:.2f} "
-                    f"load {r['chain_load_gbps']:.2f} GB/s "
-                    f"({r['chain_loaded_blocks']}/{r['chain_blocks']})",
-                    flush=True,
-                )
+        for mode in args.copy.split(","):
+            # The block pool's device copy: one Triton launch, or one torch op per layer.
+            os.environ["KVOFFLOAD_CUDA_COPY"] = mode
+            runs = report.setdefault("offloader" if mode == "torch" else f"offloader_{mode}", {})
+            with tempfile.TemporaryDirectory(dir=args.mmap_dir) as tmp:
+                for kib in OFFLOADER_KIB:
+                    r = bench_offloader(kib, base_d2h, base_h2d, Path(tmp))
+                    runs[f"{kib}KiB"] = r
+                    print(
+                        f"offloader[{mode}] {kib:>5} KiB  store {r['store_gbps']:5.1f} GB/s "
+                        f"({r['store_ratio']:.2f}x)  load {r['load_gbps']:5.1f} "
+                        f"({r['load_ratio']:.2f}x)  both {r['both_gbps']:5.1f} "
+                        f"({r['both_ratio']:.2f}x; {r['both_vs_one_way']:.2f}x one way)  "
+                        f"matmul {r['compute_slowdown']:.3f}x  exact {r['bit_exact']}  "
+                        f"setup {r['setup_seconds']:.2f} s  "
+                        f"chain store {r['chain_store_gbps']:.2f} "
+                        f"load {r['chain_load_gbps']:.2f} GB/s "
+                        f"({r['chain_loaded_blocks']}/{r['chain_blocks']})",
+                        flush=True,
+                    )
     if "pin" in sections:
         report["pin"] = bench_pin()
         print(f"pin: {report['pin']}")

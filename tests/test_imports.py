@@ -86,8 +86,9 @@ LAYERS: Final[dict[int, tuple[str, tuple[str, ...]]]] = {
         # hostcopy: the host-memory copy helpers the memory tiers and the block pool share.
         ("backend", "registry", "tier", "hostcopy", "backends"),
     ),
-    # books and datapath come out of offloader.py; listed before they exist.
-    4: ("data movement", ("blockpool", "transfer", "books", "datapath")),
+    # books and datapath come out of offloader.py; cudacopy is the block pool's
+    # one-launch CUDA copy.
+    4: ("data movement", ("blockpool", "cudacopy", "transfer", "books", "datapath")),
     5: ("offloader", ("offloader",)),
     6: ("on top", ("connectors", "tools", "testing", "__main__")),
 }

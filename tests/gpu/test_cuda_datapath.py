@@ -155,3 +155,31 @@ def test_busy_compute_stream_never_yields_a_bad_block(tmp_path: Path) -> None:
             bad += sum(not torch.equal(got[i], want[i]) for i in range(64))
         assert off.check() == []
     assert bad == 0
+
+
+def test_one_launch_copy_writes_what_the_per_layer_ops_write(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The Triton pack and unpack (kvoffload/cudacopy.py) against the per-layer torch
+    ops, on random block ids; the flash layout (K and V of a block apart) is left to
+    the torch ops."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("KVOFFLOAD_CUDA_COPY", "kernel")
+    pool, _ = _pool(False)
+    kernel = pool._layer_copy()
+    assert kernel is not None
+    ids = torch.randperm(POOL)[:100].tolist()
+    pool.scatter(list(range(POOL)), _content(list(range(POOL)), 7))
+    index = pool.device_index(ids)
+    by_kernel = torch.empty((len(ids), BPB), dtype=torch.uint8, device="cuda")
+    by_torch = torch.empty_like(by_kernel)
+    pool.pack(index, by_kernel)
+    pool._gather_team(index, by_torch)
+    assert torch.equal(by_kernel, by_torch)
+    fresh = _content(ids, 8)
+    pool.unpack(index, fresh)
+    back = torch.empty_like(fresh)
+    pool._gather_team(index, back)
+    assert torch.equal(back, fresh)
+    flash, _ = _pool(True)
+    assert flash._layer_copy() is None
