@@ -18,146 +18,27 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Final
 
+from kvoffload.claims import Claims
 from kvoffload.config import TierConfig
 from kvoffload.keys import BlockKey
 from kvoffload.manager import OffloadingManager
-from kvoffload.metrics import TierCounters
+from kvoffload.plans import (
+    Copy,
+    LoadPlan,
+    Prefetch,
+    Run,
+    TierStats,
+    Write,
+)
 
-LATENCY_SAMPLES: Final = 100_000
-"""Latency samples kept per tier and direction (the most recent ones)."""
 LOAD_PRIORITY_WAIT_S: Final = 0.02
 """Longest a copy into a persistent tier waits for in-flight loads to finish."""
 HIT_COUNTS: Final = 1 << 20
 """Keys whose load count the admission filter remembers (least recent forgotten)."""
-
-
-@dataclass
-class TierStats(TierCounters):
-    """Counters of one tier since the Offloader started (read under its lock).
-
-    The counters themselves, with their meaning, are declared once in
-    :class:`~kvoffload.metrics.TierCounters`, whence every output takes them; this
-    class adds what only the books keep: recent latency samples."""
-
-    store_latency_s: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_SAMPLES))
-    """Submit-to-done time of store jobs into this tier."""
-    load_latency_s: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_SAMPLES))
-    """Submit-to-done time of loads whose slowest tier was this one."""
-
-
-@dataclass
-class PrefetchStats:
-    """Counters of the prefetches that :meth:`Books.claim` runs (read under the
-    lock)."""
-
-    prefetched: int = 0
-    """Blocks read from a lower tier, verified, and written into the first tier."""
-    hits: int = 0
-    """Prefetched blocks later loaded into the engine."""
-    wasted: int = 0
-    """Prefetched blocks that left the first tier unloaded, and blocks of prefetches
-    cancelled before they ran."""
-    failed: int = 0
-    """Blocks a prefetch could not bring up: corrupt (also counted in the tier's
-    ``corrupt_blocks``), unreadable, or no room in the first tier."""
-    seconds: float = 0.0
-    """Wall time of prefetch jobs, from start to verified landing."""
-
-
-@dataclass(slots=True)
-class Run:
-    """Consecutive prefix positions ``[start, stop)`` held by one tier."""
-
-    tier: int
-    start: int
-    stop: int
-    slots: list[int]
-
-
-@dataclass
-class LoadPlan:
-    """A pinned load: what :meth:`Books.plan_load` or :meth:`Books.claim` found and
-    reserved. Hand it to ``Offloader.submit_load``, or give it back with
-    ``Offloader.cancel_load``; until then its blocks cannot be evicted."""
-
-    keys: list[BlockKey]
-    """The held prefix (``len(keys)`` is the hit length)."""
-    runs: list[Run]
-    requested: int
-    """Keys asked for (the prefix, then the first miss and everything after it)."""
-    promote_keys: list[BlockKey] = field(default_factory=list)
-    promote_slots: list[int] = field(default_factory=list)
-    promote_evicted: list[tuple[BlockKey, int]] = field(default_factory=list)
-    """First-tier blocks evicted to make room for the promotions (for ``on_evict``)."""
-    settled: bool = False
-
-    @property
-    def hits(self) -> int:
-        return len(self.keys)
-
-
-@dataclass(slots=True)
-class Write:
-    """An order: write ``keys`` into ``slots`` of ``tier``. Where the bytes come from,
-    and what the slots held before."""
-
-    tier: int
-    keys: list[BlockKey]
-    slots: list[int]
-    pool_ids: list[int] | None = None
-    """Source: these pool blocks (an engine store)."""
-    src_tier: int | None = None
-    src_slots: list[int] | None = None
-    """Source: these slots of ``src_tier``, pinned by this write (write-through)."""
-    buf: Any = None
-    """Source: a staging buffer the data path owns (demotion, promotion, write-through
-    from the bytes just written), released by the write."""
-    rows: list[int] | None = None
-    """For an order whose ``buf`` the data path still has to cut: the rows of the
-    source buffer that hold ``keys``, in order."""
-    evicted: list[tuple[BlockKey, int]] = field(default_factory=list)
-    """Blocks this write's slots held, to be read first and demoted (``on_evict``)."""
-    demote: bool = False
-    """Whether the next tier wants ``evicted`` (read them before overwriting)."""
-    submitted: float = 0.0
-    after: Any = None
-    """The engine's event to wait for before reading its blocks (CUDA)."""
-    corrupt: list[BlockKey] = field(default_factory=list)
-    """Source blocks the read found invalid: dropped from ``src_tier`` when settled."""
-
-
-@dataclass(eq=False)
-class Prefetch:
-    """One prefetch job: a run of blocks copied from a lower tier into first-tier
-    slots reserved for them, verified on the way (the write's source read)."""
-
-    write: Write
-    waiters: set[Hashable] = field(default_factory=set)
-    started: bool = False
-    done: bool = False
-
-
-@dataclass
-class _Claim:
-    """An owner (a request) whose claim waits for prefetches."""
-
-    waits: list[Prefetch] = field(default_factory=list)
-    rounds: int = 0
-
-
-@dataclass(slots=True)
-class Copy:
-    """A cascade order from :meth:`Books.settle_write`: ``write``, whose bytes are
-    the settled write's own buffer (``source="written"``), its demotion buffer
-    (``"demoted"``), or ``write.src_tier`` (``"tier"``)."""
-
-    write: Write
-    source: str
 
 
 class Books:
@@ -189,15 +70,10 @@ class Books:
         self._loads_active = 0
         self._hit_counts: OrderedDict[BlockKey, int] = OrderedDict()
         self._job_seconds = [0.0] * len(self.managers)  # moving average per store job
-        # Prefetches (see ``claim``): keys in flight to the first tier, owners waiting,
-        # and keys prefetched but not loaded yet (for the hit / wasted counts).
-        self._inflight: dict[BlockKey, Prefetch] = {}
-        self._claims: dict[Hashable, _Claim] = {}
-        self._prefetched: OrderedDict[BlockKey, None] = OrderedDict()
-        self._prefetch_blocks = 0
         first = self.managers[0].capacity
-        self.prefetch_budget = max(1, min(prefetch_max_inflight // bytes_per_block, first // 2))
-        self.prefetch_stats = PrefetchStats()
+        budget = max(1, min(prefetch_max_inflight // bytes_per_block, first // 2))
+        self.claims = Claims(self, budget)
+        self.prefetch_stats = self.claims.stats
         self.stats = [
             TierStats(c.name, c.backend, m.capacity, "first" if i == 0 else c.write_policy)
             for i, (m, c) in enumerate(zip(self.managers, self.configs, strict=True))
@@ -222,7 +98,7 @@ class Books:
                 self.stats[0].rejected_stores += len(keys)
                 return None
             self.stats[0].evictions += len(out.evicted)
-            self._left_first_tier(out.evicted)
+            self.claims.left_first_tier(out.evicted)
             row = {k: i for i, k in enumerate(keys)}
             write = Write(
                 0,
@@ -256,7 +132,7 @@ class Books:
                     plan.promote_keys, plan.promote_slots = out.keys_to_store, out.slots
                     plan.promote_evicted = list(zip(out.evicted, out.evicted_slots, strict=True))
                     self.stats[0].evictions += len(out.evicted)
-                    self._left_first_tier(out.evicted)
+                    self.claims.left_first_tier(out.evicted)
             return plan
 
     def load_submitted(self, plan: LoadPlan) -> None:
@@ -275,7 +151,7 @@ class Books:
             if not plan.settled:
                 self._settle_load(plan, valid=0, corrupt={})
 
-    # -- verified claims ---------------------------------------------------------------
+    # -- verified claims (kvoffload/claims.py, under this lock) -------------------------
     def claim(
         self, owner: Hashable, keys: Sequence[BlockKey]
     ) -> tuple[LoadPlan | None, list[Prefetch]]:
@@ -283,39 +159,12 @@ class Books:
         the caller queues each on its source tier's load lane (or hands it back with
         :meth:`prefetch_refused`)."""
         with self.lock:
-            cl = self._claims.get(owner)
-            if cl is not None and any(not p.done for p in cl.waits):
-                return None, []
-            if cl is None:
-                cl = self._claims[owner] = _Claim()
-            cl.waits = []
-            first = self.managers[0]
-            ready = first.lookup(keys)
-            max_rounds = 2 + -(-len(keys) // self.prefetch_budget)
-            below = len(self.managers) > 1 and not self.persistent[0]
-            if below and cl.rounds < max_rounds:
-                waits, started, starved = self._start_prefetches(keys, ready)
-                if started:
-                    cl.rounds += 1
-                if waits or starved:
-                    cl.waits = waits
-                    for p in waits:
-                        p.waiters.add(owner)
-                    return None, started
-            del self._claims[owner]
-            slots = first.prepare_load(keys[:ready])
-            runs = [Run(0, 0, ready, slots)] if ready else []
-            return LoadPlan(list(keys[:ready]), runs, len(keys)), []
+            return self.claims.claim(owner, keys)
 
     def prefetch_refused(self, p: Prefetch) -> None:
         """A prefetch whose job could not be queued: undo it (its owners ask again)."""
         with self.lock:
-            if p.done:
-                return
-            p.done = True
-            self._prefetch_landed(p, [])
-            self._abort_write(p.write)
-            self.prefetch_stats.failed += len(p.write.keys)
+            self.claims.refused(p)
 
     def narrow(self, plan: LoadPlan, start: int, stop: int) -> LoadPlan:
         """A plan for ``plan.keys[start:stop]`` (pinned), releasing ``plan`` quietly."""
@@ -343,23 +192,13 @@ class Books:
         """Forget ``owner``'s pending claim; cancel its prefetches that nobody else
         waits for and that have not started (their reserved slots freed)."""
         with self.lock:
-            cl = self._claims.pop(owner, None)
-            if cl is None:
-                return
-            for p in cl.waits:
-                p.waiters.discard(owner)
-                if not p.waiters and not p.started and not p.done:
-                    p.done = True
-                    self._prefetch_landed(p, [])
-                    self._abort_write(p.write)
-                    self.prefetch_stats.wasted += len(p.write.keys)
+            self.claims.release(owner)
 
     def prefetch_starts(self, p: Prefetch) -> bool:
         """A prefetch job begins: ``False`` if it was cancelled meanwhile (skip it)."""
         with self.lock:
-            if p.done:
+            if not self.claims.starts(p):
                 return False
-            p.started = True
             self._loads_active += 1  # copies into persistent tiers wait for us too
             return True
 
@@ -368,19 +207,7 @@ class Books:
         with self.lock:
             self._loads_active -= 1
             self._loads_done.notify_all()
-            first = self.managers[0]
-            landed = [k for k in p.write.keys if first.ready(k)]
-            p.done = True
-            self._prefetch_landed(p, landed)
-            # A prefetch is a use of the source block: keep it warm in its tier, so the
-            # disk copy outlives the cpu copy that a hit will soon evict.
-            assert p.write.src_tier is not None
-            self.managers[p.write.src_tier].touch(landed)
-            stats = self.prefetch_stats
-            stats.prefetched += len(landed)
-            self.stats[0].promotions += len(landed)
-            stats.failed += len(p.write.keys) - len(landed)
-            stats.seconds += seconds
+            self.claims.settle(p, seconds)
 
     # -- writes ------------------------------------------------------------------------
     def yield_to_loads(self) -> None:
@@ -520,7 +347,7 @@ class Books:
 
     def prefetches(self) -> tuple[int, int]:
         with self.lock:
-            return len({id(p) for p in self._inflight.values()}), len(self._claims)
+            return self.claims.counts()
 
     # -- under the lock ----------------------------------------------------------------
     def _locate(self, keys: Sequence[BlockKey]) -> list[int]:
@@ -534,94 +361,6 @@ class Books:
             else:
                 break
         return located
-
-    def _start_prefetches(
-        self, keys: Sequence[BlockKey], ready: int
-    ) -> tuple[list[Prefetch], list[Prefetch], bool]:
-        """Plan prefetches for the blocks after the first tier's ready prefix that a
-        lower tier holds. Returns the prefetches this prefix waits for (new and already
-        in flight), the new ones, and whether some could not start for want of budget
-        while others are in flight (then: wait too)."""
-        first = self.managers[0]
-        waits: dict[int, Prefetch] = {}
-        want: list[tuple[int, BlockKey]] = []
-        for key in keys[ready:]:
-            inflight = self._inflight.get(key)
-            if inflight is not None:
-                waits[id(inflight)] = inflight
-                continue
-            if first.holds(key):
-                if first.ready(key):
-                    continue  # ready up top already
-                break  # being written by a store: not claimable yet
-            below = next(
-                (t for t in range(1, len(self.managers)) if self.managers[t].ready(key)), None
-            )
-            if below is None:
-                break
-            want.append((below, key))
-        room = self.prefetch_budget - self._prefetch_blocks
-        starved = len(want) > room and self._prefetch_blocks > 0
-        want = want[: max(0, room)]
-        started: list[Prefetch] = []
-        i = 0
-        while i < len(want):  # one job per run of consecutive blocks from one tier
-            t = want[i][0]
-            j = i
-            while j < len(want) and want[j][0] == t:
-                j += 1
-            p = self._prefetch(t, [k for _, k in want[i:j]])
-            if p is None:
-                break
-            waits[id(p)] = p
-            started.append(p)
-            i = j
-        return list(waits.values()), started, starved
-
-    def _prefetch(self, t: int, keys: list[BlockKey]) -> Prefetch | None:
-        """Reserve first-tier slots for ``keys`` (held by tier ``t``) and pin them in
-        ``t``; ``None`` when the first tier has no room."""
-        out = self.managers[0].prepare_store(keys)
-        if out is None:
-            self.prefetch_stats.failed += len(keys)
-            return None
-        self.stats[0].evictions += len(out.evicted)
-        self._left_first_tier(out.evicted)
-        write = Write(
-            0,
-            out.keys_to_store,
-            out.slots,
-            src_tier=t,
-            src_slots=self.managers[t].prepare_load(out.keys_to_store),
-            evicted=list(zip(out.evicted, out.evicted_slots, strict=True)),
-            submitted=time.perf_counter(),
-        )
-        write.demote = self._wants_demotion(write)
-        p = Prefetch(write)
-        for key in write.keys:
-            self._inflight[key] = p
-        self._prefetch_blocks += len(write.keys)
-        return p
-
-    def _prefetch_landed(self, p: Prefetch, landed: Sequence[BlockKey]) -> None:
-        """A prefetch ended: out of flight; ``landed`` are the keys now ready up top."""
-        for key in p.write.keys:
-            if self._inflight.get(key) is p:
-                del self._inflight[key]
-        self._prefetch_blocks -= len(p.write.keys)
-        for key in landed:
-            self._prefetched[key] = None
-            self._prefetched.move_to_end(key)
-        while len(self._prefetched) > self.managers[0].capacity:
-            self._prefetched.popitem(last=False)
-
-    def _left_first_tier(self, keys: Iterable[BlockKey]) -> None:
-        """Count prefetched blocks evicted up top before any load used them."""
-        if self._prefetched:
-            for key in keys:
-                if key in self._prefetched:
-                    del self._prefetched[key]
-                    self.prefetch_stats.wasted += 1
 
     def _accepts(self, t: int, n: int) -> bool:
         """Whether tier ``t`` takes a new store job now; counts the drop if not."""
@@ -728,11 +467,7 @@ class Books:
             manager.touch(keys[: max(0, valid - run.start)])
         for t, bad in corrupt.items():
             self._drop_corrupt(t, bad)
-        if self._prefetched:
-            for key in loaded:
-                if key in self._prefetched:
-                    del self._prefetched[key]
-                    self.prefetch_stats.hits += 1
+        self.claims.loaded(loaded)
         # Each requested block is a hit in the tier that served it and a miss in every
         # tier above; one not served is a miss in every tier.
         reached = plan.requested

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvoffload.books import Books, Copy, Write
+from kvoffload.books import Books
 from kvoffload.config import load_config
 from kvoffload.keys import ROOT_KEY, BlockKey, chain_key
 from kvoffload.lru_manager import LRUOffloadingManager
+from kvoffload.plans import Copy, Write
 from kvoffload.slots import SlotAllocator
 
 BPB = 4096

@@ -140,7 +140,7 @@ def test_a_thousand_aborted_claims_leak_nothing(tmp_path: Path, pool: BlockPool)
         assert off.drain()
         assert off.pinned() == [0, 0]
         assert off.prefetches() == (0, 0)
-        assert off._books._prefetch_blocks == 0
+        assert off._books.claims.inflight_blocks == 0
         assert off.check() == []
         # The tiers still serve the blocks.
         plan = _claim(off, "last", keys)
@@ -180,7 +180,7 @@ def test_prefetches_are_bounded_by_the_budget(tmp_path: Path, pool: BlockPool) -
     with off:
         seen = 0
         while (plan := off.claim("r", keys)) is None:
-            seen = max(seen, off._books._prefetch_blocks)
+            seen = max(seen, off._books.claims.inflight_blocks)
             time.sleep(0.0005)
         assert plan.hits == 12
         assert seen <= 4

@@ -80,7 +80,7 @@ LAYERS: Final[dict[int, tuple[str, tuple[str, ...]]]] = {
             "metrics",
         ),
     ),
-    2: ("bookkeeping", ("manager", "lru_manager", "policies")),
+    2: ("bookkeeping", ("manager", "lru_manager", "policies", "plans")),
     3: (
         "storage",
         # hostcopy: the host-memory copy helpers the memory tiers and the block pool share.
@@ -88,8 +88,8 @@ LAYERS: Final[dict[int, tuple[str, tuple[str, ...]]]] = {
     ),
     # books and datapath come out of offloader.py; cudacopy is the block pool's
     # one-launch CUDA copy.
-    4: ("data movement", ("blockpool", "cudacopy", "transfer", "books", "datapath")),
-    5: ("offloader", ("offloader",)),
+    4: ("data movement", ("blockpool", "cudacopy", "transfer", "books", "claims", "datapath")),
+    5: ("offloader", ("jobs", "offloader")),
     6: ("on top", ("connectors", "tools", "testing", "__main__")),
 }
 """Layer -> (its name, the modules or subpackages in it, relative to ``kvoffload``).

@@ -122,7 +122,7 @@ def test_connector_stats_and_prometheus_carry_every_counter() -> None:
     from kvoffload.connectors.vllm.metrics import TIER_PROM_PREFIX, _snapshot
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-    from kvoffload.books import PrefetchStats
+    from kvoffload.plans import PrefetchStats
 
     assert {m.name: m.help for m in TIER_METRICS} == TIER_STATS
     stats = _sample_stats()

@@ -1,0 +1,226 @@
+"""Verified claims and their prefetches: the part of the books that brings lower-tier
+blocks up into the first tier, checked, before a hit is claimed.
+
+Part of :mod:`kvoffload.books`, under its lock: every method here is called by a
+:class:`~kvoffload.books.Books` method that holds it. Kept apart because it is a role of
+its own (owners waiting, prefetches in flight and their budget, the prefetch counters)
+and the books' store and load planning reads better without it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvoffload.keys import BlockKey
+from kvoffload.plans import LoadPlan, Prefetch, PrefetchStats, Run, Write
+
+if TYPE_CHECKING:
+    from kvoffload.books import Books
+
+
+@dataclass
+class _Claim:
+    """An owner (a request) whose claim waits for prefetches."""
+
+    waits: list[Prefetch] = field(default_factory=list)
+    rounds: int = 0
+
+
+class Claims:
+    """Owners waiting on prefetches, prefetches in flight, and the prefetch counters.
+    ``budget``: blocks in flight at most (``prefetch_max_inflight``, and half the first
+    tier)."""
+
+    def __init__(self, books: Books, budget: int) -> None:
+        self._books = books
+        self.budget = budget
+        self.stats = PrefetchStats()
+        # Keys in flight to the first tier, owners waiting, and keys prefetched but not
+        # loaded yet (for the hit / wasted counts).
+        self._inflight: dict[BlockKey, Prefetch] = {}
+        self._claims: dict[Hashable, _Claim] = {}
+        self._prefetched: OrderedDict[BlockKey, None] = OrderedDict()
+        self.inflight_blocks = 0
+
+    def claim(
+        self, owner: Hashable, keys: Sequence[BlockKey]
+    ) -> tuple[LoadPlan | None, list[Prefetch]]:
+        """See :meth:`Books.claim`."""
+        b = self._books
+        cl = self._claims.get(owner)
+        if cl is not None and any(not p.done for p in cl.waits):
+            return None, []
+        if cl is None:
+            cl = self._claims[owner] = _Claim()
+        cl.waits = []
+        first = b.managers[0]
+        ready = first.lookup(keys)
+        max_rounds = 2 + -(-len(keys) // self.budget)
+        below = len(b.managers) > 1 and not b.persistent[0]
+        if below and cl.rounds < max_rounds:
+            waits, started, starved = self._start(keys, ready)
+            if started:
+                cl.rounds += 1
+            if waits or starved:
+                cl.waits = waits
+                for p in waits:
+                    p.waiters.add(owner)
+                return None, started
+        del self._claims[owner]
+        slots = first.prepare_load(keys[:ready])
+        runs = [Run(0, 0, ready, slots)] if ready else []
+        return LoadPlan(list(keys[:ready]), runs, len(keys)), []
+
+    def refused(self, p: Prefetch) -> None:
+        """See :meth:`Books.prefetch_refused`."""
+        if p.done:
+            return
+        p.done = True
+        self._landed(p, [])
+        self._books._abort_write(p.write)
+        self.stats.failed += len(p.write.keys)
+
+    def release(self, owner: Hashable) -> None:
+        """See :meth:`Books.release`."""
+        cl = self._claims.pop(owner, None)
+        if cl is None:
+            return
+        for p in cl.waits:
+            p.waiters.discard(owner)
+            if not p.waiters and not p.started and not p.done:
+                p.done = True
+                self._landed(p, [])
+                self._books._abort_write(p.write)
+                self.stats.wasted += len(p.write.keys)
+
+    def starts(self, p: Prefetch) -> bool:
+        """Whether a prefetch job may run (``False``: cancelled meanwhile)."""
+        if p.done:
+            return False
+        p.started = True
+        return True
+
+    def settle(self, p: Prefetch, seconds: float) -> None:
+        """A prefetch job ended (its write already settled)."""
+        b = self._books
+        first = b.managers[0]
+        landed = [k for k in p.write.keys if first.ready(k)]
+        p.done = True
+        self._landed(p, landed)
+        # A prefetch is a use of the source block: keep it warm in its tier, so the disk
+        # copy outlives the cpu copy that a hit will soon evict.
+        assert p.write.src_tier is not None
+        b.managers[p.write.src_tier].touch(landed)
+        self.stats.prefetched += len(landed)
+        b.stats[0].promotions += len(landed)
+        self.stats.failed += len(p.write.keys) - len(landed)
+        self.stats.seconds += seconds
+
+    def counts(self) -> tuple[int, int]:
+        """Prefetch jobs in flight, and owners waiting on claims."""
+        return len({id(p) for p in self._inflight.values()}), len(self._claims)
+
+    def left_first_tier(self, keys: Iterable[BlockKey]) -> None:
+        """Count prefetched blocks evicted up top before any load used them."""
+        if self._prefetched:
+            for key in keys:
+                if key in self._prefetched:
+                    del self._prefetched[key]
+                    self.stats.wasted += 1
+
+    def loaded(self, keys: Iterable[BlockKey]) -> None:
+        """Count prefetched blocks that a load used."""
+        if self._prefetched:
+            for key in keys:
+                if key in self._prefetched:
+                    del self._prefetched[key]
+                    self.stats.hits += 1
+
+    def _start(
+        self, keys: Sequence[BlockKey], ready: int
+    ) -> tuple[list[Prefetch], list[Prefetch], bool]:
+        """Plan prefetches for the blocks after the first tier's ready prefix that a
+        lower tier holds. Returns the prefetches this prefix waits for (new and already
+        in flight), the new ones, and whether some could not start for want of budget
+        while others are in flight (then: wait too)."""
+        first = self._books.managers[0]
+        waits: dict[int, Prefetch] = {}
+        want: list[tuple[int, BlockKey]] = []
+        for key in keys[ready:]:
+            inflight = self._inflight.get(key)
+            if inflight is not None:
+                waits[id(inflight)] = inflight
+                continue
+            if first.holds(key):
+                if first.ready(key):
+                    continue  # ready up top already
+                break  # being written by a store: not claimable yet
+            below = next(
+                (
+                    t
+                    for t in range(1, len(self._books.managers))
+                    if self._books.managers[t].ready(key)
+                ),
+                None,
+            )
+            if below is None:
+                break
+            want.append((below, key))
+        room = self.budget - self.inflight_blocks
+        starved = len(want) > room and self.inflight_blocks > 0
+        want = want[: max(0, room)]
+        started: list[Prefetch] = []
+        i = 0
+        while i < len(want):  # one job per run of consecutive blocks from one tier
+            t = want[i][0]
+            j = i
+            while j < len(want) and want[j][0] == t:
+                j += 1
+            p = self._prefetch(t, [k for _, k in want[i:j]])
+            if p is None:
+                break
+            waits[id(p)] = p
+            started.append(p)
+            i = j
+        return list(waits.values()), started, starved
+
+    def _prefetch(self, t: int, keys: list[BlockKey]) -> Prefetch | None:
+        """Reserve first-tier slots for ``keys`` (held by tier ``t``) and pin them in
+        ``t``; ``None`` when the first tier has no room."""
+        out = self._books.managers[0].prepare_store(keys)
+        if out is None:
+            self.stats.failed += len(keys)
+            return None
+        self._books.stats[0].evictions += len(out.evicted)
+        self.left_first_tier(out.evicted)
+        write = Write(
+            0,
+            out.keys_to_store,
+            out.slots,
+            src_tier=t,
+            src_slots=self._books.managers[t].prepare_load(out.keys_to_store),
+            evicted=list(zip(out.evicted, out.evicted_slots, strict=True)),
+            submitted=time.perf_counter(),
+        )
+        write.demote = self._books._wants_demotion(write)
+        p = Prefetch(write)
+        for key in write.keys:
+            self._inflight[key] = p
+        self.inflight_blocks += len(write.keys)
+        return p
+
+    def _landed(self, p: Prefetch, landed: Sequence[BlockKey]) -> None:
+        """A prefetch ended: out of flight; ``landed`` are the keys now ready up top."""
+        for key in p.write.keys:
+            if self._inflight.get(key) is p:
+                del self._inflight[key]
+        self.inflight_blocks -= len(p.write.keys)
+        for key in landed:
+            self._prefetched[key] = None
+            self._prefetched.move_to_end(key)
+        while len(self._prefetched) > self._books.managers[0].capacity:
+            self._prefetched.popitem(last=False)

@@ -1,0 +1,137 @@
+"""What the Offloader's books hand out and take back: the records of a plan.
+
+:mod:`kvoffload.books` decides; these are its decisions as data (a :class:`LoadPlan`,
+a :class:`Write` into a tier, a :class:`Prefetch`, a cascade :class:`Copy`) and its
+counters (:class:`TierStats`, :class:`PrefetchStats`). They live apart from the books
+so that the data path and the engine-facing facade can hold and pass them without
+reaching into the bookkeeping, and so that each module keeps one role.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from kvoffload.keys import BlockKey
+from kvoffload.metrics import TierCounters
+
+LATENCY_SAMPLES: Final = 100_000
+"""Latency samples kept per tier and direction (the most recent ones)."""
+
+
+@dataclass
+class TierStats(TierCounters):
+    """Counters of one tier since the Offloader started (read under its lock).
+
+    The counters themselves, with their meaning, are declared once in
+    :class:`~kvoffload.metrics.TierCounters`, whence every output takes them; this
+    class adds what only the books keep: recent latency samples."""
+
+    store_latency_s: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_SAMPLES))
+    """Submit-to-done time of store jobs into this tier."""
+    load_latency_s: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_SAMPLES))
+    """Submit-to-done time of loads whose slowest tier was this one."""
+
+
+@dataclass
+class PrefetchStats:
+    """Counters of the prefetches that :meth:`Books.claim` runs (read under the
+    lock)."""
+
+    prefetched: int = 0
+    """Blocks read from a lower tier, verified, and written into the first tier."""
+    hits: int = 0
+    """Prefetched blocks later loaded into the engine."""
+    wasted: int = 0
+    """Prefetched blocks that left the first tier unloaded, and blocks of prefetches
+    cancelled before they ran."""
+    failed: int = 0
+    """Blocks a prefetch could not bring up: corrupt (also counted in the tier's
+    ``corrupt_blocks``), unreadable, or no room in the first tier."""
+    seconds: float = 0.0
+    """Wall time of prefetch jobs, from start to verified landing."""
+
+
+@dataclass(slots=True)
+class Run:
+    """Consecutive prefix positions ``[start, stop)`` held by one tier."""
+
+    tier: int
+    start: int
+    stop: int
+    slots: list[int]
+
+
+@dataclass
+class LoadPlan:
+    """A pinned load: what :meth:`Books.plan_load` or :meth:`Books.claim` found and
+    reserved. Hand it to ``Offloader.submit_load``, or give it back with
+    ``Offloader.cancel_load``; until then its blocks cannot be evicted."""
+
+    keys: list[BlockKey]
+    """The held prefix (``len(keys)`` is the hit length)."""
+    runs: list[Run]
+    requested: int
+    """Keys asked for (the prefix, then the first miss and everything after it)."""
+    promote_keys: list[BlockKey] = field(default_factory=list)
+    promote_slots: list[int] = field(default_factory=list)
+    promote_evicted: list[tuple[BlockKey, int]] = field(default_factory=list)
+    """First-tier blocks evicted to make room for the promotions (for ``on_evict``)."""
+    settled: bool = False
+
+    @property
+    def hits(self) -> int:
+        return len(self.keys)
+
+
+@dataclass(slots=True)
+class Write:
+    """An order: write ``keys`` into ``slots`` of ``tier``. Where the bytes come from,
+    and what the slots held before."""
+
+    tier: int
+    keys: list[BlockKey]
+    slots: list[int]
+    pool_ids: list[int] | None = None
+    """Source: these pool blocks (an engine store)."""
+    src_tier: int | None = None
+    src_slots: list[int] | None = None
+    """Source: these slots of ``src_tier``, pinned by this write (write-through)."""
+    buf: Any = None
+    """Source: a staging buffer the data path owns (demotion, promotion, write-through
+    from the bytes just written), released by the write."""
+    rows: list[int] | None = None
+    """For an order whose ``buf`` the data path still has to cut: the rows of the
+    source buffer that hold ``keys``, in order."""
+    evicted: list[tuple[BlockKey, int]] = field(default_factory=list)
+    """Blocks this write's slots held, to be read first and demoted (``on_evict``)."""
+    demote: bool = False
+    """Whether the next tier wants ``evicted`` (read them before overwriting)."""
+    submitted: float = 0.0
+    after: Any = None
+    """The engine's event to wait for before reading its blocks (CUDA)."""
+    corrupt: list[BlockKey] = field(default_factory=list)
+    """Source blocks the read found invalid: dropped from ``src_tier`` when settled."""
+
+
+@dataclass(eq=False)
+class Prefetch:
+    """One prefetch job: a run of blocks copied from a lower tier into first-tier
+    slots reserved for them, verified on the way (the write's source read)."""
+
+    write: Write
+    waiters: set[Hashable] = field(default_factory=set)
+    started: bool = False
+    done: bool = False
+
+
+@dataclass(slots=True)
+class Copy:
+    """A cascade order from :meth:`Books.settle_write`: ``write``, whose bytes are
+    the settled write's own buffer (``source="written"``), its demotion buffer
+    (``"demoted"``), or ``write.src_tier`` (``"tier"``)."""
+
+    write: Write
+    source: str
