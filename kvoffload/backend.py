@@ -108,11 +108,14 @@ class Backend(ABC):
         (the row's contents are then undefined and must be treated as a miss)."""
 
     def rows(self, start: int, n: int) -> torch.Tensor | None:
-        """Slots ``start .. start + n - 1`` as a zero-copy ``uint8 [n, bytes_per_block]``
-        view, where the medium is plain addressable memory (the ``cpu`` slab); ``None``
-        otherwise (the default). A load then copies straight from the tier into the
-        engine's blocks, with no staging copy in between; the slots are pinned for it,
-        so nothing writes them meanwhile."""
+        """Slots ``start .. start + n - 1`` as a zero-copy, writable ``uint8 [n,
+        bytes_per_block]`` view, where the medium is plain addressable memory (the
+        ``cpu`` slab); ``None`` otherwise (the default). The data path then copies
+        straight between the tier and the engine's blocks (and disk tiers read and write
+        these rows directly), with no staging copy in between: a load reads rows pinned
+        for it, and a store writes rows reserved for it, so bytes written there need no
+        :meth:`write` call. Only a backend that keeps nothing but the bytes (no
+        checksum, no index) may return rows."""
         return None
 
     @classmethod
