@@ -467,12 +467,14 @@ class Books:
             manager.touch(keys[: max(0, valid - run.start)])
         for t, bad in corrupt.items():
             self._drop_corrupt(t, bad)
-        self.claims.loaded(loaded)
         # Each requested block is a hit in the tier that served it and a miss in every
-        # tier above; one not served is a miss in every tier.
+        # tier above; one not served is a miss in every tier. A block a claim prefetched
+        # from a lower tier was served by that tier (through the first).
+        prefetched = self.claims.loaded(loaded)
         reached = plan.requested
         for t, stats in enumerate(self.stats):
             served = sum(max(0, min(r.stop, valid) - r.start) for r in plan.runs if r.tier == t)
+            served += prefetched.get(t, 0) - (sum(prefetched.values()) if t == 0 else 0)
             stats.hits += served
             stats.misses += reached - served
             reached -= served

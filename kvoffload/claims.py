@@ -43,7 +43,7 @@ class Claims:
         # loaded yet (for the hit / wasted counts).
         self._inflight: dict[BlockKey, Prefetch] = {}
         self._claims: dict[Hashable, _Claim] = {}
-        self._prefetched: OrderedDict[BlockKey, None] = OrderedDict()
+        self._prefetched: OrderedDict[BlockKey, int] = OrderedDict()  # key -> source tier
         self.inflight_blocks = 0
 
     def claim(
@@ -132,13 +132,18 @@ class Claims:
                     del self._prefetched[key]
                     self.stats.wasted += 1
 
-    def loaded(self, keys: Iterable[BlockKey]) -> None:
-        """Count prefetched blocks that a load used."""
+    def loaded(self, keys: Iterable[BlockKey]) -> dict[int, int]:
+        """Count prefetched blocks that a load used; returns how many came from each
+        source tier (their hits are that tier's: the disk served them, through the
+        first tier)."""
+        sources: dict[int, int] = {}
         if self._prefetched:
             for key in keys:
-                if key in self._prefetched:
-                    del self._prefetched[key]
+                t = self._prefetched.pop(key, None)
+                if t is not None:
                     self.stats.hits += 1
+                    sources[t] = sources.get(t, 0) + 1
+        return sources
 
     def _start(
         self, keys: Sequence[BlockKey], ready: int
@@ -220,7 +225,8 @@ class Claims:
                 del self._inflight[key]
         self.inflight_blocks -= len(p.write.keys)
         for key in landed:
-            self._prefetched[key] = None
+            assert p.write.src_tier is not None
+            self._prefetched[key] = p.write.src_tier
             self._prefetched.move_to_end(key)
         while len(self._prefetched) > self._books.managers[0].capacity:
             self._prefetched.popitem(last=False)

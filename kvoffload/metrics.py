@@ -88,7 +88,9 @@ class TierCounters:
     """``first`` for the tier taking the engine's stores, else its ``write_policy``."""
 
     hits: int = _count(
-        "Blocks loaded from this tier (the fastest tier holding each).", column="hits"
+        "Blocks loaded from this tier (the fastest tier holding each; a block a claim"
+        " prefetched from a lower tier counts there).",
+        column="hits",
     )
     misses: int = _count(
         "Requested blocks this tier did not serve: found lower down, or nowhere.",

@@ -78,6 +78,8 @@ def test_claim_prefetches_from_disk_then_loads_from_cpu_only(
         assert off.pinned() == [0, 0]
         ps = off.prefetch_stats
         assert (ps.prefetched, ps.hits, ps.wasted, ps.failed) == (12, 12, 0, 0)
+        # The disk served these blocks (through the cpu tier): the hits are its own.
+        assert [(s.hits, s.misses) for s in off.stats] == [(0, 12), (12, 0)]
         assert ps.seconds > 0
         assert off.stats[1].bytes_read >= 12 * BPB
         assert off.check() == []
