@@ -116,8 +116,10 @@ def test_stress_table_has_the_declared_columns() -> None:
 
 
 # ------------------------------------------------------------------ vLLM connector
-@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
 def test_connector_stats_and_prometheus_carry_every_counter() -> None:
+    # A runtime skip, not a marker: under CI=true (vLLM installed) a skip fails.
+    if not HAS_VLLM:
+        pytest.skip("vLLM is not installed")
     from kvoffload.connectors.vllm import TIER_STATS, TieredOffloadPromMetrics
     from kvoffload.connectors.vllm.metrics import TIER_PROM_PREFIX, _snapshot
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
