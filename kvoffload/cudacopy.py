@@ -90,34 +90,24 @@ class LayerCopy:
 
     def pack(self, index: torch.Tensor, out: torch.Tensor) -> None:
         """``out[i]`` = block ``index[i]``, packed; queued on the current stream."""
-        kernels = _compile()
-        assert kernels is not None
-        n = index.numel()
-        if n:
-            kernels[0][(n, self._layers)](
-                self._bases,
-                self._strides,
-                self._offsets,
-                self._sizes,
-                index,
-                out.view(torch.int64),
-                self._row,
-                block=BLOCK,
-            )
+        self._launch(0, index, out)
 
     def unpack(self, index: torch.Tensor, src: torch.Tensor) -> None:
         """Block ``index[i]`` = ``src[i]``, unpacked; queued on the current stream."""
+        self._launch(1, index, src)
+
+    def _launch(self, which: int, index: torch.Tensor, packed: torch.Tensor) -> None:
         kernels = _compile()
         assert kernels is not None
         n = index.numel()
         if n:
-            kernels[1][(n, self._layers)](
+            kernels[which][(n, self._layers)](
                 self._bases,
                 self._strides,
                 self._offsets,
                 self._sizes,
                 index,
-                src.view(torch.int64),
+                packed.view(torch.int64),
                 self._row,
                 block=BLOCK,
             )

@@ -6,22 +6,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from test_offloader import _keys
+
 from kvoffload.books import Books
 from kvoffload.config import load_config
-from kvoffload.keys import ROOT_KEY, BlockKey, chain_key
+from kvoffload.keys import BlockKey
 from kvoffload.lru_manager import LRUOffloadingManager
 from kvoffload.plans import Copy, Write
 from kvoffload.slots import SlotAllocator
 
 BPB = 4096
-
-
-def _keys(n: int, salt: int = 0) -> list[BlockKey]:
-    keys, parent = [], ROOT_KEY
-    for i in range(n):
-        parent = chain_key(parent, f"{salt}:{i}".encode())
-        keys.append(parent)
-    return keys
 
 
 class Fake:
