@@ -69,6 +69,8 @@ class Books:
         self._loads_done = threading.Condition(self.lock)
         self._loads_active = 0
         self._hit_counts: OrderedDict[BlockKey, int] = OrderedDict()
+        # Load counts serve only the admission filter: without one, nobody counts them.
+        self._counting = any(c.admit_after_hits for c in self.configs)
         self._job_seconds = [0.0] * len(self.managers)  # moving average per store job
         first = self.managers[0].capacity
         budget = max(1, min(prefetch_max_inflight // bytes_per_block, first // 2))
@@ -99,12 +101,16 @@ class Books:
                 return None
             self.stats[0].evictions += len(out.evicted)
             self.claims.left_first_tier(out.evicted)
-            row = {k: i for i, k in enumerate(keys)}
+            if len(out.keys_to_store) == len(keys):  # all new, none repeated: same order
+                ids = list(pool_ids)
+            else:
+                row = {k: i for i, k in enumerate(keys)}
+                ids = [pool_ids[row[k]] for k in out.keys_to_store]
             write = Write(
                 0,
                 out.keys_to_store,
                 out.slots,
-                pool_ids=[pool_ids[row[k]] for k in out.keys_to_store],
+                pool_ids=ids,
                 evicted=list(zip(out.evicted, out.evicted_slots, strict=True)),
                 submitted=now,
                 after=after,
@@ -247,10 +253,13 @@ class Books:
         one took the written buffer over (the caller must then not release it)."""
         with self.lock:
             manager, stats = self.managers[w.tier], self.stats[w.tier]
-            stored = [k for k, good in zip(w.keys, ok, strict=True) if good]
-            lost = [k for k, good in zip(w.keys, ok, strict=True) if not good]
+            if all(ok):
+                stored, lost = w.keys, []
+            else:
+                stored = [k for k, good in zip(w.keys, ok, strict=True) if good]
+                lost = [k for k, good in zip(w.keys, ok, strict=True) if not good]
+                manager.complete_store(lost, success=False)
             manager.complete_store(stored, success=True)
-            manager.complete_store(lost, success=False)
             if failed:
                 stats.store_errors += len(w.keys)
             stats.blocks_stored += len(stored)
@@ -352,8 +361,11 @@ class Books:
     # -- under the lock ----------------------------------------------------------------
     def _locate(self, keys: Sequence[BlockKey]) -> list[int]:
         """For the longest held prefix: the index of the fastest tier holding each key."""
-        located: list[int] = []
-        for key in keys:
+        # The first tier's ready prefix in one batched call (the usual whole answer).
+        located = [0] * self.managers[0].lookup(keys)
+        if len(located) == len(keys) or len(self.managers) == 1:
+            return located
+        for key in keys[len(located) :]:
             for t, manager in enumerate(self.managers):
                 if manager.ready(key):
                     located.append(t)
@@ -494,7 +506,7 @@ class Books:
     def _count_hits(self, loaded: Sequence[BlockKey]) -> list[Copy]:
         """Remember load counts for the admission filter; write-through copies of
         blocks that just reached a lower tier's ``admit_after_hits``."""
-        if not loaded:
+        if not loaded or not self._counting:
             return []
         counts = self._hit_counts
         for key in loaded:

@@ -68,15 +68,13 @@ class LRUOffloadingManager(OffloadingManager):
 
     # -- load path ----------------------------------------------------------------
     def lookup(self, keys: Sequence[BlockKey]) -> int:
-        get = self.policy.get
-        for i, key in enumerate(keys):
-            state = get(key)
+        for i, state in enumerate(self.policy.get_many(keys)):
             if state is None or state.ref_cnt < 0:
                 return i
         return len(keys)
 
     def prepare_load(self, keys: Sequence[BlockKey]) -> list[int]:
-        states = [self.policy.get(k) for k in keys]
+        states = self.policy.get_many(keys)
         for key, state in zip(keys, states, strict=True):
             if state is None or state.ref_cnt < 0:
                 raise BlockStateError(
@@ -93,8 +91,7 @@ class LRUOffloadingManager(OffloadingManager):
         self.policy.touch(reversed(keys))
 
     def complete_load(self, keys: Sequence[BlockKey]) -> None:
-        for key in keys:
-            state = self.policy.get(key)
+        for key, state in zip(keys, self.policy.get_many(keys), strict=True):
             if state is None or state.ref_cnt <= 0:
                 raise BlockStateError(
                     f"tier {self.name!r}: complete_load of {key.hex()} which is not pinned"
@@ -103,9 +100,10 @@ class LRUOffloadingManager(OffloadingManager):
 
     # -- store path ---------------------------------------------------------------
     def prepare_store(self, keys: Sequence[BlockKey]) -> PrepareStoreOutput | None:
-        get = self.policy.get
         # dict.fromkeys: keep call order, drop keys repeated within the call.
-        new = [k for k in dict.fromkeys(keys) if get(k) is None]
+        unique = list(dict.fromkeys(keys))
+        states = self.policy.get_many(unique)
+        new = [k for k, state in zip(unique, states, strict=True) if state is None]
         if not new:
             return PrepareStoreOutput([], [], [])
         deficit = len(new) - self.allocator.num_free
@@ -122,16 +120,14 @@ class LRUOffloadingManager(OffloadingManager):
         slots = self.allocator.allocate(len(new))
         # The deficit was made good above, so allocation cannot fail here.
         assert slots is not None
-        insert = self.policy.insert
-        for key, slot in zip(new, slots, strict=True):
-            insert(key, BlockState(slot, ref_cnt=-1))
+        self.policy.insert_many(new, list(map(BlockState, slots)))  # being written
         return PrepareStoreOutput(new, slots, evicted, evicted_slots)
 
     def complete_store(self, keys: Sequence[BlockKey], success: bool = True) -> None:
         done: list[BlockKey] = []
         freed: list[int] = []
-        for key in keys:
-            state = self.policy.get(key)
+        unique = list(dict.fromkeys(keys))  # a key listed twice is finished once
+        for key, state in zip(unique, self.policy.get_many(unique), strict=True):
             # Keys that were already held when prepare_store ran are not ours to finish.
             if state is None or state.ref_cnt != -1:
                 continue

@@ -42,6 +42,10 @@ class ARCPolicy(EvictionPolicy):
         state = self._t1.get(key)
         return state if state is not None else self._t2.get(key)
 
+    def get_many(self, keys: Iterable[BlockKey]) -> list[BlockState | None]:
+        t1, t2 = self._t1.get, self._t2.get
+        return [t1(k) or t2(k) for k in keys]
+
     def insert(self, key: BlockKey, state: BlockState) -> None:
         if key in self._b1:
             # It was evicted for being seen once, and came back: favour recency less.

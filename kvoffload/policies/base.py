@@ -61,6 +61,18 @@ class EvictionPolicy(ABC):
     def insert(self, key: BlockKey, state: BlockState) -> None:
         """Add a new block as most recently used. ``key`` must not be resident."""
 
+    def get_many(self, keys: Iterable[BlockKey]) -> list[BlockState | None]:
+        """:meth:`get` of each key, in order. The manager's per-batch loops call this
+        once per batch: a policy whose table is a plain dict answers it without a
+        Python call per key, which is most of the books' cost per block."""
+        get = self.get
+        return [get(k) for k in keys]
+
+    def insert_many(self, keys: Iterable[BlockKey], states: Iterable[BlockState]) -> None:
+        """:meth:`insert` of each pair, in order (so the last is the most recent)."""
+        for key, state in zip(keys, states, strict=True):
+            self.insert(key, state)
+
     @abstractmethod
     def remove(self, key: BlockKey) -> BlockState:
         """Drop a block that is not being evicted (a failed store); no ghost entry."""

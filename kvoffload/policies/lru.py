@@ -25,6 +25,12 @@ class LRUPolicy(EvictionPolicy):
     def insert(self, key: BlockKey, state: BlockState) -> None:
         self._blocks[key] = state
 
+    def get_many(self, keys: Iterable[BlockKey]) -> list[BlockState | None]:
+        return list(map(self._blocks.get, keys))
+
+    def insert_many(self, keys: Iterable[BlockKey], states: Iterable[BlockState]) -> None:
+        self._blocks.update(zip(keys, states, strict=True))
+
     def remove(self, key: BlockKey) -> BlockState:
         return self._blocks.pop(key)
 
