@@ -277,6 +277,10 @@ class BlockPool:
             return host.to(self.device)
         return host.pin_memory().to(self.device, non_blocking=True)
 
+    def check_ids(self, block_ids: Sequence[int]) -> None:
+        """Raise ``IndexError`` unless every id names a block (checked on the host)."""
+        self._check_ids(block_ids)
+
     def pack(self, index: torch.Tensor, out: torch.Tensor) -> None:
         """Pack the blocks ``index`` (from :meth:`device_index`) into ``out``, a ``uint8
         [n, bytes_per_block]`` buffer on the pool's device; queued on the current
@@ -298,6 +302,48 @@ class BlockPool:
             kernel.unpack(index, src)
         else:
             self._scatter_team(index, src)
+
+    # -- one layer at a time (layer-wise loads) ------------------------------------
+    def scatter_layer(self, layer: int, block_ids: Sequence[int], src: torch.Tensor) -> None:
+        """Unpack layer ``layer``'s bytes of ``src`` (host ``uint8 [n, bytes_per_block]``
+        packed rows) into blocks ``block_ids`` (distinct) of a host pool; blocking.
+        Writes the bytes :meth:`scatter` writes for that layer.
+
+        One C loop in the calling thread (numpy fancy assignment, the GIL released)
+        rather than an OpenMP team: a layer-wise load runs beside the model's forward
+        pass, whose OpenMP team already holds the cores; a second team would fight it
+        region by region (see the module docstring)."""
+        n = len(block_ids)
+        self._check_layer(layer)
+        self._check_buffer(src, n)
+        if n == 0:
+            return
+        if src.device != self.device:
+            raise ValueError(f"scatter_layer: src on {src.device}, the pool on {self.device}")
+        index = self._index(block_ids)
+        rows, np_rows = self._rows[layer], self._np_rows[layer]
+        if rows is None or np_rows is None or not self._aligned(src):
+            # A non-contiguous layer, a device pool run on the host (tests), or an odd
+            # address: the layer's column through the shaped (or aligned) view.
+            self.unpack_layer(layer, index, src if self._aligned(src) else src.clone())
+            return
+        _assign(np_rows, index.numpy(), _numpy(self._wide_column(src, layer, rows[1])))
+
+    def unpack_layer(self, layer: int, index: torch.Tensor, src: torch.Tensor) -> None:
+        """Unpack layer ``layer``'s bytes of ``src`` (``uint8 [n, bytes_per_block]`` on
+        the pool's device, aligned) into the blocks ``index`` (from
+        :meth:`device_index`); on a GPU queued on the current stream. One op."""
+        self._check_layer(layer)
+        self._check_buffer(src, index.numel())
+        rows = self._rows[layer]
+        if rows is not None:
+            rows[0].index_copy_(0, index, self._wide_column(src, layer, rows[1]))
+        else:
+            self._views[layer].index_copy_(0, index, self._column(src, layer))
+
+    def _check_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} not in 0..{self.num_layers - 1}")
 
     def _layer_copy(self) -> LayerCopy | None:
         """The one-launch copy for this pool, built on first use (``None`` on the host,

@@ -45,7 +45,15 @@ from kvoffload.sizes import SIZE_HINT, parse_size
 
 ENV_PREFIX: Final = "KVOFFLOAD_"
 ENV_CONFIG_FILE: Final = "KVOFFLOAD_CONFIG"
-_RESERVED_ENV: Final = frozenset({ENV_CONFIG_FILE, "KVOFFLOAD_LOG_LEVEL"})
+_RESERVED_ENV: Final = frozenset(
+    {
+        ENV_CONFIG_FILE,
+        "KVOFFLOAD_LOG_LEVEL",
+        # Switches of the CUDA data path, read where the copies are made, not settings.
+        "KVOFFLOAD_CUDA_COPY",
+        "KVOFFLOAD_CUDA_GRAPHS",
+    }
+)
 
 ByteSize = Annotated[
     int,

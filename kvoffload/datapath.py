@@ -12,7 +12,8 @@ Host pool (vLLM's CPU build): the gather or scatter from the pool into the slab 
 *is* the one copy. Slots come in groups of consecutive rows (the slot allocator hands
 out neighbours, and LRU frees whole earlier batches), one copy call per group.
 
-CUDA pool. Per direction one non-default stream, shared by that lane's jobs:
+CUDA pool. Per direction one :class:`~kvoffload.devicelane.DeviceLane`: a non-default
+stream shared by that direction's jobs, and static device buffers per job size:
 
 - a job first waits for an event the engine's thread recorded on its own stream when
   it submitted the job, so a store reads the blocks only after the forward pass that
@@ -20,10 +21,10 @@ CUDA pool. Per direction one non-default stream, shared by that lane's jobs:
 - the block index is built on the host, checked there, and uploaded from pinned memory
   without a device synchronisation (``torch.as_tensor(..., device=cuda)`` would be a
   pageable copy, which waits for the whole device, i.e. for the model);
-- the engine's blocks are packed on the device into a temporary from torch's caching
-  allocator (no ``cudaMalloc`` per job once warm; HBM copies cost ~1/30 of the bus
-  time), and one DMA per group of consecutive slots crosses PCIe into (or out of) the
-  pinned slab;
+- the engine's blocks are packed on the device into the lane's static rows (HBM copies
+  cost ~1/30 of the bus time; one CUDA graph launch for all layers once a size has
+  been seen, no ``cudaMalloc`` per job), and one DMA per group of consecutive slots
+  crosses PCIe into (or out of) the pinned slab;
 - the job records an event after its last copy and waits for it before it returns, so
   "finished" means the bytes landed; no slot or buffer is reused before then.
 
@@ -33,14 +34,19 @@ from the model, and at the block sizes that matter the DMA reaches the bus limit
 
 from __future__ import annotations
 
+import ctypes
+import itertools
 import logging
+import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
+import numpy as np
 import torch
 
 from kvoffload.blockpool import BlockPool, page_aligned_empty
+from kvoffload.devicelane import DeviceLane
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +58,11 @@ pos + len(rows) - 1``, in order."""
 def groups(slots: Sequence[int], start: int = 0) -> list[tuple[int, int, int]]:
     """``slots`` as runs of consecutive slots: ``(position, first slot, count)``, the
     position counted from ``start``."""
+    if len(slots) > 64:  # one numpy pass instead of a Python step per slot
+        arr = np.asarray(slots, dtype=np.int64)
+        starts = np.flatnonzero(np.diff(arr) != 1) + 1
+        bounds = [0, *starts.tolist(), len(slots)]
+        return [(start + a, slots[a], b - a) for a, b in itertools.pairwise(bounds)]
     out: list[tuple[int, int, int]] = []
     for i, slot in enumerate(slots):
         if out and slot == out[-1][1] + out[-1][2]:
@@ -60,6 +71,63 @@ def groups(slots: Sequence[int], start: int = 0) -> list[tuple[int, int, int]]:
         else:
             out.append((start + i, slot, 1))
     return out
+
+
+class LayerProgress:
+    """How far one layer-wise load has got, layer by layer: the load job reports each
+    layer in order (:meth:`layer_done`) and then :meth:`finish`; the engine's thread
+    waits for the one layer it is about to read (:meth:`wait`).
+
+    On a host pool a reported layer has landed, and :meth:`wait` blocks until it is
+    reported. On CUDA a reported layer carries the event its copies complete; the
+    engine's thread blocks only until the job has *queued* them (an event not yet
+    recorded cannot be waited on by a stream), then makes its current stream wait on
+    the event: the host goes on launching the model's kernels. :meth:`finish` (always
+    called, a failed load too) releases every waiter, so a step never waits past its
+    loads; the layers a failed load never reported carry nothing to wait on, and the
+    load's blocks are reported as load errors instead."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+        self._cond = threading.Condition()
+        self._events: list[Any] = []
+        self._finished = False
+
+    def layer_done(self, layer: int, event: Any = None) -> None:
+        """Layer ``layer`` is in (host) or queued with ``event`` (CUDA); in order."""
+        with self._cond:
+            if layer != len(self._events):
+                raise ValueError(f"layer {layer} reported after {len(self._events)} layers")
+            self._events.append(event)
+            self._cond.notify_all()
+
+    def finish(self) -> None:
+        """No more layers will be reported (the load ended, well or not)."""
+        with self._cond:
+            self._finished = True
+            self._cond.notify_all()
+
+    @property
+    def layers_done(self) -> int:
+        with self._cond:
+            return len(self._events)
+
+    @property
+    def finished(self) -> bool:
+        with self._cond:
+            return self._finished
+
+    def wait(self, layer: int, stream: Any = None) -> None:
+        """Return once layer ``layer`` (all of them when it is out of range) can be read
+        on ``stream`` (CUDA: the stream waits on the layer's event) or the load ended."""
+        want = layer + 1 if 0 <= layer < self.num_layers else self.num_layers
+        with self._cond:
+            self._cond.wait_for(lambda: len(self._events) >= want or self._finished)
+            events = self._events[layer : layer + 1] if want == layer + 1 else self._events
+        if stream is not None:
+            for event in events:
+                if event is not None:
+                    stream.wait_event(event)
 
 
 class Buffers:
@@ -98,6 +166,68 @@ class Buffers:
                 self._free.sort(key=lambda b: b.shape[0])
 
 
+def _ignore_layer(layer: int, event: Any) -> None:
+    """``on_layer`` when nobody listens."""
+
+
+_cudart: list[Any] = []  # [cudaMemcpy2DAsync or None], once looked up
+
+
+def _memcpy2d() -> Any:
+    """``cudaMemcpy2DAsync`` from the CUDA runtime torch loaded (``None`` if not found).
+    Torch exposes no strided host-to-device copy that stays asynchronous: ``copy_`` of a
+    non-contiguous pinned view goes through a pageable temporary."""
+    if not _cudart:
+        fn = None
+        names = [
+            line.split()[-1]
+            for line in _maps()
+            if "libcudart.so" in line and line.split()[-1].startswith("/")
+        ]
+        for name in [*dict.fromkeys(names), "libcudart.so.13", "libcudart.so.12"]:
+            try:
+                fn = ctypes.CDLL(name).cudaMemcpy2DAsync
+            except (OSError, AttributeError):
+                continue
+            size, ptr = ctypes.c_size_t, ctypes.c_void_p
+            # dst, dpitch, src, spitch, width, height, kind, stream
+            fn.argtypes = [ptr, size, ptr, size, size, size, ctypes.c_int, ptr]
+            fn.restype = ctypes.c_int
+            break
+        _cudart.append(fn)
+    return _cudart[0]
+
+
+def _maps() -> list[str]:
+    try:
+        with open("/proc/self/maps") as f:
+            return f.read().splitlines()
+    except OSError:
+        return []
+
+
+_HOST_TO_DEVICE: Final = 1  # cudaMemcpyHostToDevice
+
+
+def _copy_columns(
+    copy2d: Any, dst: torch.Tensor, rows: torch.Tensor, offset: int, width: int, stream: Any
+) -> None:
+    """Queue on ``stream`` the copy of bytes ``offset .. offset + width`` of each of
+    ``rows`` (host) into the same bytes of the rows of ``dst`` (on the device)."""
+    err = copy2d(
+        dst.data_ptr() + offset,
+        dst.stride(0),
+        rows.data_ptr() + offset,
+        rows.stride(0),
+        width,
+        rows.shape[0],
+        _HOST_TO_DEVICE,
+        stream.cuda_stream,
+    )
+    if err:
+        raise RuntimeError(f"cudaMemcpy2DAsync failed: CUDA error {err}")
+
+
 class DataPath:
     """Copies between the engine's :class:`~kvoffload.blockpool.BlockPool` and host
     rows (tier slabs or staging buffers). See the module docstring."""
@@ -108,9 +238,12 @@ class DataPath:
         self.cuda = pool is not None and pool.device.type == "cuda"
         self.buffers = Buffers(bytes_per_block, pin_memory=torch.cuda.is_available())
         self._streams: dict[str, Any] = {}
+        self._lanes: dict[str, DeviceLane] = {}
         if self.cuda:
             assert pool is not None
+            graphs = os.environ.get("KVOFFLOAD_CUDA_GRAPHS", "1") != "0"
             for lane in ("store", "load"):
+                self._lanes[lane] = DeviceLane(pool, lane, graphs=graphs)
                 self._streams[lane] = torch.cuda.Stream(device=pool.device)  # type: ignore[no-untyped-call]
 
     # -- engine thread -----------------------------------------------------------------
@@ -134,17 +267,7 @@ class DataPath:
             for pos, rows in pieces:
                 pool.gather(pool_ids[pos : pos + rows.shape[0]], rows)
             return
-        stream = self._streams["store"]
-        with torch.cuda.stream(stream):
-            if after is not None:
-                stream.wait_event(after)
-            index = pool.device_index(pool_ids)
-            packed = torch.empty((len(pool_ids), self.bpb), dtype=torch.uint8, device=pool.device)
-            pool.pack(index, packed)
-            for pos, rows in pieces:
-                rows.copy_(packed[pos : pos + rows.shape[0]], non_blocking=True)
-            done = stream.record_event()
-        done.synchronize()
+        self._lanes["store"].run(pool_ids, pieces, after)
 
     def unpack(self, pool_ids: Sequence[int], pieces: Sequence[Piece], after: Any = None) -> None:
         """Scatter ``pieces`` (covering ``pool_ids`` in order) into pool blocks
@@ -156,15 +279,57 @@ class DataPath:
             for pos, rows in pieces:
                 pool.scatter(pool_ids[pos : pos + rows.shape[0]], rows)
             return
+        self._lanes["load"].run(pool_ids, pieces, after)
+
+    def unpack_layers(
+        self,
+        pool_ids: Sequence[int],
+        pieces: Sequence[Piece],
+        after: Any = None,
+        on_layer: Callable[[int, Any], None] | None = None,
+    ) -> None:
+        """As :meth:`unpack`, but layer by layer, layer 0 first, calling ``on_layer(layer,
+        event)`` as each layer's bytes are in (host pool: ``event`` is ``None`` and the
+        bytes landed) or queued (CUDA: ``event`` completes when they land, so a stream
+        that waits on it reads the layer). Returns once every layer landed. A layer-wise
+        load hands the engine layer N while it copies layer N+1.
+
+        CUDA: per layer, one 2-D DMA per piece moves that layer's column of the pinned
+        rows (``cudaMemcpy2DAsync``: row pitch ``bytes_per_block``, width the layer's
+        bytes) into a device buffer, and one op scatters it into the pool. Without a
+        2-D copy (no ``libcudart`` found) the rows cross in one go first and only the
+        scatters go layer by layer."""
+        pool = self._need_pool()
+        report = on_layer if on_layer is not None else _ignore_layer
+        if not pool_ids:
+            for layer in range(pool.num_layers):
+                report(layer, None)
+            return
+        if not self.cuda:
+            for layer in range(pool.num_layers):
+                for pos, rows in pieces:
+                    pool.scatter_layer(layer, pool_ids[pos : pos + rows.shape[0]], rows)
+                report(layer, None)
+            return
         stream = self._streams["load"]
+        copy2d = _memcpy2d()
         with torch.cuda.stream(stream):
             if after is not None:
                 stream.wait_event(after)
             index = pool.device_index(pool_ids)
             packed = torch.empty((len(pool_ids), self.bpb), dtype=torch.uint8, device=pool.device)
-            for pos, rows in pieces:
-                packed[pos : pos + rows.shape[0]].copy_(rows, non_blocking=True)
-            pool.unpack(index, packed)
+            if copy2d is None:
+                for pos, rows in pieces:
+                    packed[pos : pos + rows.shape[0]].copy_(rows, non_blocking=True)
+            for layer in range(pool.num_layers):
+                if copy2d is not None:
+                    off, width = pool.layer_offsets[layer], pool.layer_bytes[layer]
+                    for pos, rows in pieces:
+                        _copy_columns(
+                            copy2d, packed[pos : pos + rows.shape[0]], rows, off, width, stream
+                        )
+                pool.unpack_layer(layer, index, packed)
+                report(layer, stream.record_event())
             done = stream.record_event()
         done.synchronize()
 

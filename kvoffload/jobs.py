@@ -18,7 +18,7 @@ import torch
 
 from kvoffload.books import Books
 from kvoffload.config import TierConfig
-from kvoffload.datapath import DataPath, Piece, groups
+from kvoffload.datapath import DataPath, LayerProgress, Piece, groups
 from kvoffload.exceptions import BackendError
 from kvoffload.keys import BlockKey
 from kvoffload.plans import Copy, LoadPlan, Prefetch, Write
@@ -288,10 +288,20 @@ class Jobs:
             self._books.settle_prefetch(p, time.perf_counter() - t0)
         return nbytes
 
-    def load(self, plan: LoadPlan, pool_ids: list[int], submitted: float, after: Any = None) -> int:
+    def load(
+        self,
+        plan: LoadPlan,
+        pool_ids: list[int],
+        submitted: float,
+        after: Any = None,
+        *,
+        layers: LayerProgress | None = None,
+    ) -> int:
         """Job body: read the plan's lower-tier runs into one staging buffer (checking
         each block), then copy the valid prefix into the pool in one go: memory-tier
-        runs straight from their rows, the rest from the buffer."""
+        runs straight from their rows, the rest from the buffer. With ``layers`` the
+        copy goes layer by layer, reporting each (a layer-wise load); ``layers`` is
+        finished however the job ends, so nobody waits on it past the job."""
         n = plan.hits
         buf: torch.Tensor | None = None
         corrupt: dict[int, list[BlockKey]] = {}
@@ -325,10 +335,12 @@ class Jobs:
                 if bad:
                     corrupt.setdefault(run.tier, []).extend(bad)
                     break
-            valid = self._copy_in(pool_ids, copies, valid, from_memory, after)
+            valid = self._copy_in(pool_ids, copies, valid, from_memory, after, layers=layers)
             if buf is not None:
                 handed_on = self._promote(plan, buf, valid, in_buf)
         finally:
+            if layers is not None:
+                layers.finish()
             orders = self._books.settle_load(plan, valid, corrupt, submitted)
             self.queue(orders)
             if buf is not None and not handed_on:
@@ -342,15 +354,21 @@ class Jobs:
         valid: int,
         from_memory: list[tuple[int, int]],
         after: Any,
+        *,
+        layers: LayerProgress | None = None,
     ) -> int:
         """Copy the pieces of the valid prefix into the pool; the prefix loaded (0 when
-        the copy failed: the pool blocks' contents are then undefined)."""
+        the copy failed: the pool blocks' contents are then undefined). With ``layers``,
+        layer by layer (:meth:`~kvoffload.datapath.DataPath.unpack_layers`)."""
         if not valid:
             return 0
         copies = [(pos, rows[: max(0, valid - pos)]) for pos, rows in copies if pos < valid]
         t0 = time.perf_counter()
         try:
-            self._data.unpack(pool_ids[:valid], copies, after)
+            if layers is not None:
+                self._data.unpack_layers(pool_ids[:valid], copies, after, layers.layer_done)
+            else:
+                self._data.unpack(pool_ids[:valid], copies, after)
         except (BackendError, RuntimeError, IndexError) as exc:
             logger.warning("load of %d blocks failed (%s); a miss", valid, exc)
             return 0

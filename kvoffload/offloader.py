@@ -50,7 +50,7 @@ from typing import Final
 from kvoffload.blockpool import BlockPool
 from kvoffload.books import Books
 from kvoffload.config import KVOffloadConfig, TierConfig
-from kvoffload.datapath import DataPath
+from kvoffload.datapath import DataPath, LayerProgress
 from kvoffload.jobs import Jobs, ignore_result
 from kvoffload.keys import BlockKey
 from kvoffload.layout import KVLayout
@@ -158,11 +158,29 @@ class Offloader:
         or cancelled."""
         return self._books.plan_load(keys)
 
-    def submit_load(self, plan: LoadPlan, pool_ids: Sequence[int]) -> int | None:
+    def submit_load(
+        self,
+        plan: LoadPlan,
+        pool_ids: Sequence[int],
+        *,
+        layers: LayerProgress | None = None,
+    ) -> int | None:
         """Load ``plan`` into pool blocks ``pool_ids`` (one per planned key) on the load
         lane. The job's result counts the blocks actually loaded (``nbytes //
         bytes_per_block``): a prefix of the plan, shorter if a block proved corrupt.
-        ``None`` if the load lane is full (the plan is then cancelled: a miss)."""
+        ``None`` if the load lane is full (the plan is then cancelled: a miss).
+
+        ``layers`` (a :class:`~kvoffload.datapath.LayerProgress` of the pool's layer
+        count): copy into the pool layer by layer, reporting each, so that the engine
+        can read layer N while layer N+1 is copied; it is finished when the job ends,
+        whatever happens. The result still says which blocks loaded: a layer reported
+        is no promise that its blocks are valid."""
+        pool = self.pool
+        if layers is not None and pool is not None and layers.num_layers != pool.num_layers:
+            raise ValueError(
+                f"submit_load: progress of {layers.num_layers} layers, "
+                f"the pool has {pool.num_layers}"
+            )
         if len(pool_ids) != plan.hits:
             raise ValueError(f"submit_load: plan of {plan.hits} blocks, {len(pool_ids)} pool ids")
         self._need_pool()
@@ -170,9 +188,13 @@ class Offloader:
         ids = list(pool_ids)
         self._books.load_submitted(plan)
         after = self._data.mark()
-        job = self._workers[0].submit_load(lambda: self._jobs.load(plan, ids, now, after))
+        job = self._workers[0].submit_load(
+            lambda: self._jobs.load(plan, ids, now, after, layers=layers)
+        )
         if job is None:
             self._books.cancel_load(plan, submitted=True)
+            if layers is not None:
+                layers.finish()
         return job
 
     def cancel_load(self, plan: LoadPlan) -> None:

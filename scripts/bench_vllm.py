@@ -125,7 +125,7 @@ def run_phase(spec: dict[str, Any]) -> dict[str, Any]:
             kv_connector="TieredOffloadConnector",
             kv_connector_module_path="kvoffload.connectors.vllm",
             kv_role="kv_both",
-            kv_connector_extra_config={"config": conn["config"]},
+            kv_connector_extra_config={"config": conn["config"], **conn.get("options", {})},
             kv_load_failure_policy="recompute",
         )
     elif conn is not None and conn["kind"] == "example":

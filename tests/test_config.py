@@ -389,6 +389,8 @@ def test_env_overrides_apply() -> None:
         "KVOFFLOAD_TIERS__0__CAPACITY": "2GiB",
         "KVOFFLOAD_STRESS__LAYOUT__NUM_LAYERS": "4",
         "KVOFFLOAD_LOG_LEVEL": "DEBUG",  # reserved: not a config field
+        "KVOFFLOAD_CUDA_GRAPHS": "0",  # reserved: the data path's switches
+        "KVOFFLOAD_CUDA_COPY": "kernel",
         "PATH": "/usr/bin",
     }
     cfg = load_config(DEFAULT_YAML, env=env)

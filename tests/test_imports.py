@@ -35,7 +35,7 @@ the ones below, never from above, and within a layer only without cycles:
    metrics;
 2. bookkeeping: manager, lru_manager, policies;
 3. storage: backend, registry, tier, hostcopy, and the backends;
-4. data movement: blockpool, transfer, books, datapath;
+4. data movement: blockpool, transfer, books, devicelane, datapath;
 5. the offloader;
 6. on top: the connectors, the tools (CLI, stress, maintenance, benchmarks),
    kvoffload.testing, and the package's own ``__init__`` / ``__main__``.
@@ -87,8 +87,11 @@ LAYERS: Final[dict[int, tuple[str, tuple[str, ...]]]] = {
         ("backend", "registry", "tier", "hostcopy", "backends"),
     ),
     # books and datapath come out of offloader.py; cudacopy is the block pool's
-    # one-launch CUDA copy.
-    4: ("data movement", ("blockpool", "cudacopy", "transfer", "books", "claims", "datapath")),
+    # one-launch CUDA copy; devicelane is one direction of the data path on a GPU.
+    4: (
+        "data movement",
+        ("blockpool", "cudacopy", "transfer", "books", "claims", "devicelane", "datapath"),
+    ),
     5: ("offloader", ("jobs", "offloader")),
     6: ("on top", ("connectors", "tools", "testing", "__main__")),
 }

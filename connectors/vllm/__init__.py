@@ -31,9 +31,13 @@ side takes the smallest answer of all ranks (``None`` if any is undecided).
   vLLM allocates anything, whatever ``kv_load_failure_policy`` says. A request that
   ends first (aborted) releases its pins and cancels its prefetches.
 - **Loads** are synchronous within the step (``start_load_kv`` waits for them) and
-  read the cpu tier only. The one failure left is an I/O error there; it is reported
-  through ``get_block_ids_with_load_errors``, and vLLM recomputes the blocks under
-  ``kv_load_failure_policy="recompute"`` or fails the request under ``"fail"``
+  read the cpu tier only. With ``layerwise_loads: true`` in
+  ``kv_connector_extra_config``, ``start_load_kv`` only submits them, the blocks are
+  copied in layer by layer, and each attention layer waits for its own layer
+  (``wait_for_layer_load``); ``wait_for_save`` collects them. The one failure left is
+  an I/O error there; it is reported through ``get_block_ids_with_load_errors``, and
+  vLLM recomputes the blocks under ``kv_load_failure_policy="recompute"`` or fails the
+  request under ``"fail"``
   (vLLM's default: the connector warns about it at start).
 - **Stores** are asynchronous: ``wait_for_save`` submits the blocks that became full
   this step and returns; a finished request's GPU blocks are held
@@ -90,6 +94,7 @@ from .config import (
     check_vllm_version,
     config_from_vllm,
     layout_from_vllm,
+    options_from_vllm,
 )
 from .events import MAX_EVENT_HASHES, BlockHash, TieredOffloadKVEvents
 from .metrics import (
@@ -160,7 +165,9 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
         check_vllm_version()
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None
-        self.config = config_from_vllm(dict(transfer.kv_connector_extra_config or {}))
+        extra = dict(transfer.kv_connector_extra_config or {})
+        self.config = config_from_vllm(extra)
+        self.options = options_from_vllm(extra)
         self.layout = layout_from_vllm(vllm_config)
         self.block_size = vllm_config.cache_config.block_size
         hash_block = getattr(vllm_config.cache_config, "hash_block_size", None)
@@ -202,6 +209,7 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
                 slot=self._slot,
                 block_size=self.block_size,
                 events=self._events_enabled,
+                layerwise=self.options["layerwise_loads"],
             )
 
     def _scheduler_side(self) -> TieredOffloadScheduler:
@@ -247,7 +255,7 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
         self._worker_side().start_load_kv(self._get_connector_metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return
+        self._worker_side().wait_for_layer_load(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
@@ -277,6 +285,12 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
         """The tiers' KV events since the previous step (worker side only; ``None``
         when there are none, or events are off)."""
         return None if self._worker is None else self._worker.get_kv_connector_kv_cache_events()
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Layer-wise loads wait inside the attention layers: Python that a full CUDA
+        graph would skip on replay, so vLLM must run graphs piecewise then."""
+        return extra_config.get("layerwise_loads") is True
 
     @classmethod
     def build_kv_connector_stats(

@@ -48,13 +48,19 @@ def check_vllm_version() -> str:
     return found
 
 
+OPTIONS: Final = {"layerwise_loads": False}
+"""The connector's own ``kv_connector_extra_config`` keys beside the config, with their
+defaults (:func:`options_from_vllm`)."""
+
+
 def config_from_vllm(extra: dict[str, Any]) -> KVOffloadConfig:
     """The kvoffload config named by ``kv_connector_extra_config``."""
-    unknown = set(extra) - {"config_file", "config"}
+    unknown = set(extra) - {"config_file", "config", *OPTIONS}
     if unknown:
         raise ConfigError(
             f"kv_connector_extra_config: unknown key(s) {sorted(unknown)}; "
-            "allowed: config_file (a YAML path) or config (an inline mapping)"
+            "allowed: config_file (a YAML path) or config (an inline mapping), and "
+            f"the options {sorted(OPTIONS)}"
         )
     if "config_file" in extra and "config" in extra:
         raise ConfigError(
@@ -63,6 +69,25 @@ def config_from_vllm(extra: dict[str, Any]) -> KVOffloadConfig:
     if "config" in extra:
         return load_config(dict(extra["config"]))
     return load_config(extra.get("config_file"))
+
+
+def options_from_vllm(extra: dict[str, Any]) -> dict[str, bool]:
+    """The connector's options in ``kv_connector_extra_config`` (:data:`OPTIONS`), each
+    a JSON boolean: ``layerwise_loads`` copies a step's loads into the KV cache layer by
+    layer while the forward pass runs, each attention layer waiting only for its own
+    (``wait_for_layer_load``). Off by default: on vLLM's CPU build the overlap gained
+    nothing measurable, the copy taking its cores from the model (docs/benchmarks.md,
+    "Layer-wise loads")."""
+    out = dict(OPTIONS)
+    for key in OPTIONS:
+        if key in extra:
+            value = extra[key]
+            if not isinstance(value, bool):
+                raise ConfigError(
+                    f"kv_connector_extra_config: {key} = {value!r}: expected true or false"
+                )
+            out[key] = value
+    return out
 
 
 def layout_from_vllm(vllm_config: VllmConfig) -> KVLayout:

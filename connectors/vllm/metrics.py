@@ -69,6 +69,10 @@ COUNTERS: Final[dict[str, str]] = {
     "blocks_planned": "Blocks planned (pinned) for loading.",
     "blocks_loaded": "Blocks loaded into the engine's KV cache.",
     "blocks_loaded_after_preemption": "Blocks loaded for requests resumed after preemption.",
+    "blocks_loaded_layerwise": "Of the blocks loaded, those copied in layer by layer "
+    "(layerwise_loads).",
+    "layer_wait_seconds": "Seconds the attention layers waited for their layer of a "
+    "layer-wise load (wait_for_layer_load).",
     "load_errors": "Engine blocks reported for recompute: failed, corrupt or lost loads.",
     "blocks_submitted_for_store": "Blocks handed to the tiers for storing.",
     "tokens_loaded": "Tokens loaded into the engine's KV cache (blocks loaded x block size).",

@@ -43,7 +43,7 @@ class _Shared:
     """Loads planned by the scheduler side, by its plan id, until ``start_load_kv``."""
     holds: dict[str, LoadPlan] = field(default_factory=dict)
     """Decided claims, by request id: pinned until planned or released."""
-    counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
+    counters: dict[str, int | float] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
     server: _BooksServer | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     """Guards ``plans``, ``holds`` and ``counters``: the books server's thread and the
@@ -53,7 +53,7 @@ class _Shared:
         """vLLM's block keys as this rank's tiers hold them."""
         return [namespaced(k, self.namespace) for k in keys]
 
-    def bump(self, name: str, n: int = 1) -> None:
+    def bump(self, name: str, n: float = 1) -> None:
         with self.lock:
             self.counters[name] += n
 

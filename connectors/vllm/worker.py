@@ -5,8 +5,10 @@ vLLM builds the connector with ``role=WORKER`` in each worker process, and
 It owns the :class:`~kvoffload.offloader.Offloader` (tiers, lanes, books), registered
 with its books server in :mod:`.shared` at ``register_kv_caches``; each step it carries
 out the scheduler side's :class:`~.scheduler.TieredOffloadMetadata`: loads within the
-step (``start_load_kv`` waits for them), stores in the background (``wait_for_save``
-submits them), and reports the requests whose stores are done (``get_finished``), the
+step (``start_load_kv`` waits for them; with ``layerwise_loads`` it only submits them,
+each attention layer waits for its own layer in ``wait_for_layer_load``, and
+``wait_for_save`` collects them), stores in the background (``wait_for_save`` submits
+them), and reports the requests whose stores are done (``get_finished``), the
 blocks that failed to load, its stats and its KV events. Kept apart from
 :mod:`.scheduler` because it runs in another process in vLLM's default mode.
 """
@@ -14,6 +16,7 @@ blocks that failed to load, its stats and its KV events. Kept apart from
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -21,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from kvoffload.blockpool import BlockPool
 from kvoffload.config import KVOffloadConfig
+from kvoffload.datapath import LayerProgress
 from kvoffload.layout import KVLayout
 from kvoffload.offloader import Offloader
 
@@ -48,8 +52,10 @@ class TieredOffloadWorker:
         slot: str,
         block_size: int,
         events: bool,
+        layerwise: bool = False,
     ) -> None:
         self.config = config
+        self.layerwise = layerwise
         self.layout = layout
         self.engine_id = engine_id
         self.rank = rank
@@ -63,6 +69,11 @@ class TieredOffloadWorker:
         self._load_errors: set[int] = set()
         self._ever_stored: set[str] = set()
         self._reported: dict[str, int | float] = {}
+        self._layer_index: dict[str, int] = {}
+        self._num_layers = 0
+        self._device: torch.device | None = None
+        # Layer-wise loads submitted by start_load_kv and not yet collected, by job id.
+        self._layer_loads: dict[int, tuple[_Load, LayerProgress]] = {}
 
     def _shared(self) -> _Shared:
         """The worker side's state (worker side only)."""
@@ -76,6 +87,11 @@ class TieredOffloadWorker:
         with _rank_affinity(self.ranks):
             pool = BlockPool(list(kv_caches.values()))
             offloader = Offloader(self.config, self.layout, pool, events=self._events_enabled)
+        # The pool's layers are the dict's values in order: an attention layer's name
+        # (wait_for_layer_load) is its key.
+        self._layer_index = {name: i for i, name in enumerate(kv_caches)}
+        self._num_layers = pool.num_layers
+        self._device = pool.device
         held = sum(t.capacity_blocks for t in offloader.stats)
         book = _EventBook(enabled=self._events_enabled, cap=min(held, MAX_EVENT_HASHES))
         shared = _Shared(offloader, book, self.layout.fingerprint)
@@ -91,8 +107,11 @@ class TieredOffloadWorker:
         )
 
     def start_load_kv(self, meta: KVConnectorMetadata) -> None:
-        """Load the step's planned blocks into the engine's, and wait for them."""
+        """Load the step's planned blocks into the engine's, and wait for them; with
+        layer-wise loads, submit them and return (see :meth:`wait_for_layer_load`)."""
         assert isinstance(meta, TieredOffloadMetadata)
+        if self._layer_loads:  # a step whose loads were never collected: finish them
+            self._finish_layer_loads(self._shared())
         if not meta.loads:
             return
         shared = self._shared()
@@ -103,7 +122,8 @@ class TieredOffloadWorker:
                 plan = shared.plans.pop(load.plan_id)
             if load.hashes:  # promotions into the first tier are stores too
                 shared.events.remember(plan.keys, load.hashes[: plan.hits])
-            job = off.submit_load(plan, load.block_ids[: plan.hits])
+            layers = LayerProgress(self._num_layers) if self.layerwise else None
+            job = off.submit_load(plan, load.block_ids[: plan.hits], layers=layers)
             if job is None:
                 self._load_errors.update(load.block_ids)
                 continue
@@ -111,12 +131,50 @@ class TieredOffloadWorker:
             # would be load errors too.
             self._load_errors.update(load.block_ids[plan.hits :])
             jobs[job] = load
-        for result in off.wait(list(jobs)):
+            if layers is not None:
+                self._layer_loads[job] = (load, layers)
+        if not self.layerwise:
+            self._book_loads(shared, off.wait(list(jobs)), jobs, layerwise=False)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Return once this step's layer-wise loads have layer ``layer_name`` in the KV
+        cache (on CUDA: once the current stream waits for it). An unknown name waits
+        for every layer. Nothing to wait for without layer-wise loads."""
+        if not self._layer_loads:
+            return
+        layer = self._layer_index.get(layer_name, -1)
+        stream = None
+        if self._device is not None and self._device.type == "cuda":
+            stream = torch.cuda.current_stream(self._device)
+        t0 = time.perf_counter()
+        for _, progress in self._layer_loads.values():
+            progress.wait(layer, stream)
+        self._shared().bump("layer_wait_seconds", time.perf_counter() - t0)
+
+    def _finish_layer_loads(self, shared: _Shared) -> None:
+        """Wait for the step's layer-wise load jobs and book them: before their blocks'
+        load errors are reported, and before anything else touches those blocks (a
+        step whose forward pass waited for no layer, e.g. one without attention,
+        still finishes them here)."""
+        if not self._layer_loads:
+            return
+        jobs = {job: load for job, (load, _) in self._layer_loads.items()}
+        self._layer_loads = {}
+        self._book_loads(shared, shared.offloader.wait(list(jobs)), jobs, layerwise=True)
+
+    def _book_loads(
+        self, shared: _Shared, results: list[Any], jobs: dict[int, _Load], *, layerwise: bool
+    ) -> None:
+        """Count finished load jobs; the blocks they did not load are load errors."""
+        bpb = shared.offloader.bpb
+        for result in results:
             load = jobs[result.job_id]
-            loaded = result.nbytes // off.bpb if result.success else 0
+            loaded = result.nbytes // bpb if result.success else 0
             self._load_errors.update(load.block_ids[loaded:])
             shared.bump("blocks_loaded", loaded)
             shared.bump("tokens_loaded", loaded * self.block_size)
+            if layerwise:
+                shared.bump("blocks_loaded_layerwise", loaded)
             if load.resumed:
                 shared.bump("blocks_loaded_after_preemption", loaded)
 
@@ -125,6 +183,7 @@ class TieredOffloadWorker:
         assert isinstance(meta, TieredOffloadMetadata)
         shared = self._shared()
         off = shared.offloader
+        self._finish_layer_loads(shared)
         for store in meta.stores:
             shared.bump("blocks_submitted_for_store", len(store.keys))
             self._ever_stored.add(store.req_id)
@@ -139,12 +198,16 @@ class TieredOffloadWorker:
     def handle_preemptions(self) -> None:
         # A preempted request's blocks are about to be reused: finish its stores first.
         shared = _REGISTRY.get(self._slot)
+        if shared is not None:
+            self._finish_layer_loads(shared)
         if self._store_jobs and shared is not None:
             self._collect(shared, shared.offloader.wait(list(self._store_jobs)))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         shared = _REGISTRY.get(self._slot)
         if shared is not None:
+            # Before taking finished results: a layer-wise load's is waited for by id.
+            self._finish_layer_loads(shared)
             self._collect(shared, shared.offloader.get_finished())
         self._finished_waiting.update(r for r in finished_req_ids if r in self._ever_stored)
         done = {r for r in self._finished_waiting if self._stores_left.get(r, 0) == 0}
@@ -187,8 +250,10 @@ class TieredOffloadWorker:
         return TieredOffloadKVEvents(events) if events else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
         shared = _REGISTRY.get(self._slot)
+        if shared is not None:
+            self._finish_layer_loads(shared)
+        errors, self._load_errors = self._load_errors, set()
         if shared is not None:
             shared.bump("load_errors", len(errors))
         return errors

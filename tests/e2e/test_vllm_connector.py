@@ -208,6 +208,27 @@ def test_preempted_requests_come_back_from_the_tiers(tmp_path: Path) -> None:
     assert counters["load_errors"] == 0
 
 
+def test_layerwise_loads_give_identical_outputs(tmp_path: Path, reference: Any) -> None:
+    """``layerwise_loads``: the repeat's blocks are copied in layer by layer while the
+    forward pass runs, each attention layer waiting for its own (vLLM's CPU build
+    calls ``wait_for_layer_load`` from its attention op). Outputs equal the engine's
+    without the connector; single-process, to read the counters."""
+    rounds = [[_prompt(1), _prompt(2)], [_prompt(1), _prompt(2)]]
+    result, proc = _run_engine(
+        tmp_path, {**_cpu(), "layerwise_loads": True}, rounds, single_process=True
+    )
+    assert result is not None, proc.stderr[-3000:]
+    assert result["error"] is None, result["error"]
+    assert _tokens(result, 0) == _tokens(reference, 0)
+    assert _tokens(result, 1) == _tokens(reference, 1)
+    assert [r["cached"] for r in result["rounds"][1]] == [288, 288]
+    counters = result["kvoffload"]
+    assert counters["blocks_loaded"] == 18, json.dumps(counters)
+    assert counters["blocks_loaded_layerwise"] == 18, json.dumps(counters)
+    assert counters["layer_wait_seconds"] > 0, json.dumps(counters)  # the hook ran
+    assert counters["load_errors"] == 0
+
+
 def test_tensor_parallel_ranks_keep_their_own_shards(tmp_path: Path) -> None:
     """TP=2: two worker processes, each with its own tiers (``<path>/rank<r>``) holding
     its half of every block; the scheduler side asks both ranks and loads only what
