@@ -32,6 +32,7 @@ Without CUDA it says so and exits 2: there is nothing to measure on a CPU-only b
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -167,6 +168,35 @@ def _load_all(off: Offloader, keys: list[BlockKey], ids: list[int], batch: int) 
     return jobs
 
 
+def _quiet() -> None:
+    """Start a timed phase with the device idle and Python's garbage collector just run.
+
+    A full (generation 2) collection walks every object of the process, torch's
+    included (113 ms over 277k objects on the 2-core VM), and the collector schedules it
+    by allocation counts, so one could land inside a 50 ms phase and cut its figure by
+    3-4x. Collecting first makes a full pass within the phase unlikely; the books' own
+    collections still count, and :data:`GC_SECONDS` records what they cost per phase.
+    vLLM freezes its startup heap (``gc.freeze``) for the same reason."""
+    torch.cuda.synchronize()
+    gc.collect()
+    GC_SECONDS.clear()
+
+
+GC_SECONDS: list[float] = []
+"""Seconds of each garbage collection since the last :func:`_quiet`."""
+_gc_start: list[float] = []
+
+
+def _on_gc(phase: str, info: dict[str, Any]) -> None:
+    if phase == "start":
+        _gc_start[:] = [time.perf_counter()]
+    elif _gc_start:
+        GC_SECONDS.append(time.perf_counter() - _gc_start[0])
+
+
+gc.callbacks.append(_on_gc)
+
+
 def _matmul_seconds(steps: int = 60) -> float:
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
@@ -210,18 +240,21 @@ def bench_offloader(kib: int, base_d2h: float, base_h2d: float, mmap_dir: Path) 
         _jobs(off, _store_all(off, warm, src[:batch], batch))
         _jobs(off, _load_all(off, warm, dst[:batch], batch))
         keys = _keys(n, f"a{kib}")
-        torch.cuda.synchronize()
+        _quiet()
         t0 = time.perf_counter()
         assert _jobs(off, _store_all(off, keys, src, batch)) == n
         row["store_gbps"] = n * bpb / (time.perf_counter() - t0) / 1e9
+        row["store_gc_ms"] = sum(GC_SECONDS) * 1e3
+        _quiet()
         t0 = time.perf_counter()
         assert _jobs(off, _load_all(off, keys, dst, batch)) == n
         row["load_gbps"] = n * bpb / (time.perf_counter() - t0) / 1e9
+        row["load_gc_ms"] = sum(GC_SECONDS) * 1e3
         ok = torch.equal(pool.gather(src[:batch]), pool.gather(dst[:batch]))
         row["bit_exact"] = ok
         # Both at once: new keys stored from src while the stored ones load into dst.
         more = _keys(n, f"b{kib}")
-        torch.cuda.synchronize()
+        _quiet()
         t0 = time.perf_counter()
         jobs: list[int | None] = []
         for i in range(0, n, batch):
@@ -388,6 +421,7 @@ def main() -> int:
                         f"({r['both_ratio']:.2f}x; {r['both_vs_one_way']:.2f}x one way)  "
                         f"matmul {r['compute_slowdown']:.3f}x  exact {r['bit_exact']}  "
                         f"setup {r['setup_seconds']:.2f} s  "
+                        f"gc {r['store_gc_ms']:.0f}/{r['load_gc_ms']:.0f} ms  "
                         f"chain store {r['chain_store_gbps']:.2f} "
                         f"load {r['chain_load_gbps']:.2f} GB/s "
                         f"({r['chain_loaded_blocks']}/{r['chain_blocks']})",
