@@ -1,90 +1,76 @@
 #!/usr/bin/env python3
-"""Where an Offloader store job's time goes on a GPU: CPU time to queue its copies,
-time waiting for them, and (CUDA events) the device gather and the DMA, summed over
-1 GiB of stores at 256 KiB and 2 MiB blocks, with the lanes' two threads and one job at
-a time. A diagnostic for ``docs/benchmarks.md`` ("Where the rest goes"); it wraps
-``DataPath.pack`` with timing and changes nothing else.
+"""Where a store chunk's device time goes on a GPU: CUDA events around the three parts
+a :class:`~kvoffload.devicelane.DeviceLane` queues for one chunk of a store (the index
+upload, the pack, recorded as a graph after its first use, and the DMA into pinned
+rows), and the chunk's wall time on the host, at 256 KiB and 2 MiB blocks, chunks of
+32 and 64 MiB. A diagnostic for ``docs/benchmarks.md`` ("Where the time goes"): the
+pack is an HBM pass that the lane's two threads overlap with each other's DMA.
 
     python3 scripts/bench_gpu_phases.py        # needs CUDA; exits 2 without
 """
 
 from __future__ import annotations
 
+import statistics
 import sys
-import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_gpu as bg
 
-from kvoffload import datapath
-from kvoffload.config import load_config
-from kvoffload.offloader import Offloader
-
-_lock = threading.Lock()
-_acc: dict[str, float] = {}
-
-
-def _add(key: str, value: float) -> None:
-    with _lock:
-        _acc[key] = _acc.get(key, 0.0) + value
-
-
-def _timed_pack(self: Any, pool_ids: Any, pieces: Any, after: Any = None) -> None:
-    pool = self.pool
-    t0 = time.perf_counter()
-    stream = self._streams["store"]
-    with torch.cuda.stream(stream):
-        if after is not None:
-            stream.wait_event(after)
-        e0 = stream.record_event(torch.cuda.Event(enable_timing=True))
-        index = pool.device_index(pool_ids)
-        packed = torch.empty((len(pool_ids), self.bpb), dtype=torch.uint8, device=pool.device)
-        pool.pack(index, packed)
-        e1 = stream.record_event(torch.cuda.Event(enable_timing=True))
-        for pos, rows in pieces:
-            rows.copy_(packed[pos : pos + rows.shape[0]], non_blocking=True)
-        e2 = stream.record_event(torch.cuda.Event(enable_timing=True))
-    t1 = time.perf_counter()
-    e2.synchronize()
-    _add("queue_ms", (t1 - t0) * 1e3)
-    _add("wait_ms", (time.perf_counter() - t1) * 1e3)
-    _add("gather_ms", e0.elapsed_time(e1))
-    _add("dma_ms", e1.elapsed_time(e2))
+from kvoffload import devicelane, hostcopy
+from kvoffload.blockpool import BlockPool
+from kvoffload.devicelane import DeviceLane
 
 
 def main() -> int:
     if not torch.cuda.is_available():
         print("bench_gpu_phases: no CUDA device here", file=sys.stderr)
         return 2
-    datapath.DataPath.pack = _timed_pack  # type: ignore[method-assign]
+    slab = hostcopy.host_rows(2048 + 64, 1 << 20, pin=True)  # pinned as the cpu tier's
     for kib in (256, 2048):
         layout = bg.layout_for(kib * 1024)
         bpb = layout.bytes_per_block
-        n, batch = (1 << 30) // bpb, max(16, (64 << 20) // bpb)
-        pool = bg.BlockPool.allocate(layout, 2 * n, device="cuda")
-        tier = {"name": "cpu", "backend": "cpu", "capacity": 2 * n * bpb}
-        tier["max_pending_stores"] = 4096
-        with Offloader(load_config({"tiers": [tier]}, env={}), layout, pool) as off:
-            warm = bg._keys(batch, "w")
-            bg._jobs(off, bg._store_all(off, warm, list(range(batch)), batch))
-            for mode in ("pipelined", "one job at a time"):
-                _acc.clear()
-                keys = bg._keys(n, f"{mode}{kib}")
+        n, batch = (2 << 30) // bpb, (64 << 20) // bpb
+        pool = BlockPool.allocate(layout, n, device="cuda")
+        rows_all = slab.view(-1)[: n * bpb].view(n, bpb)
+        for rows in ((32 << 20) // bpb, batch):  # 2 MiB: 16 blocks (the slow kernel), 32
+            lane = DeviceLane(pool, "store")
+            lane.chunk = rows
+            for _ in range(3):  # the first use runs eagerly, the second records the graph
+                lane.run(list(range(rows)), [(0, rows_all[:rows])])
+            me = lane._me()
+            size = me.sizes[devicelane.size_for(rows, lane.chunk)]
+            me.ids[:rows] = range(rows)
+            times: dict[str, list[float]] = {"upload": [], "pack": [], "dma": [], "wall": []}
+            for j in range(0, n - rows + 1, rows):
+                marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
                 t0 = time.perf_counter()
-                if mode == "pipelined":
-                    bg._jobs(off, bg._store_all(off, keys, list(range(n)), batch))
-                else:
-                    for i in range(0, n, batch):
-                        part = keys[i : i + batch]
-                        bg._jobs(off, bg._store_all(off, part, list(range(i, i + batch)), batch))
-                wall = time.perf_counter() - t0
-                parts = ", ".join(f"{k} {v:.1f}" for k, v in _acc.items())
-                print(f"{kib} KiB {mode}: {n * bpb / wall / 1e9:.1f} GB/s; {parts}")
+                with torch.cuda.stream(me.stream):
+                    marks[0].record(me.stream)
+                    size.index.copy_(me.pinned[:rows], non_blocking=True)
+                    marks[1].record(me.stream)
+                    lane._launch(me, size)
+                    marks[2].record(me.stream)
+                    rows_all[j : j + rows].copy_(size.packed[:rows], non_blocking=True)
+                    marks[3].record(me.stream)
+                marks[3].synchronize()
+                times["wall"].append((time.perf_counter() - t0) * 1e3)
+                for k, name in enumerate(("upload", "pack", "dma")):
+                    times[name].append(marks[k].elapsed_time(marks[k + 1]))
+            mb = rows * bpb / 1e6
+            med = {k: statistics.median(v) for k, v in times.items()}
+            print(
+                f"{kib:>5} KiB, chunk {rows * bpb >> 20} MiB ({rows} blocks): upload "
+                f"{med['upload']:.3f} ms, pack {med['pack']:.3f} ms "
+                f"({mb / med['pack']:.0f} GB/s), DMA {med['dma']:.3f} ms "
+                f"({mb / med['dma']:.1f} GB/s), wall {med['wall']:.3f} ms; "
+                f"graph {size.graph is not None}",
+                flush=True,
+            )
         del pool
         torch.cuda.empty_cache()
     return 0
