@@ -2,14 +2,18 @@
 :class:`~kvoffload.slots.SlotAllocator`, order from a pluggable eviction policy.
 
 Named for its default policy (LRU); ARC is one ``policy="arc"`` away. Per-block state
-is one :class:`~kvoffload.policies.BlockState` in the policy's table, and every
-primitive is O(1) per block (``prepare_store`` also skips pinned blocks it meets).
+is two ints: the slot, in the policy's key -> slot table, and the reference count, in
+an array indexed by slot (-1: being written; 0: ready and evictable; n > 0: pinned by
+n loads). No Python object per block: the garbage collector has nothing per block to
+walk, and a batch of stores allocates no objects beyond its lists. Every primitive is
+O(1) per block (``prepare_store`` also skips pinned blocks it meets).
 Runs on the scheduler side; not thread-safe, as the engine's scheduler is one thread.
 """
 
 from __future__ import annotations
 
 import logging
+from array import array
 from collections.abc import Iterable, Sequence
 
 from kvoffload.exceptions import BlockStateError
@@ -37,6 +41,8 @@ class LRUOffloadingManager(OffloadingManager):
         self.policy = (
             make_policy(policy, allocator.num_slots) if isinstance(policy, str) else policy
         )
+        # Reference count per slot; meaningful for the slots the policy's table holds.
+        self._refs = array("l", bytes(array("l").itemsize * allocator.num_slots))
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
 
     # -- introspection ------------------------------------------------------------
@@ -49,94 +55,102 @@ class LRUOffloadingManager(OffloadingManager):
         return len(self.policy)
 
     def state(self, key: BlockKey) -> BlockState | None:
-        return self.policy.get(key)
+        """A snapshot of ``key``'s slot and reference count (``None`` if not held)."""
+        slot = self.policy.get(key)
+        return None if slot is None else BlockState(slot, self._refs[slot])
 
     def ready(self, key: BlockKey) -> bool:
-        state = self.policy.get(key)
-        return state is not None and state.ref_cnt >= 0
+        slot = self.policy.get(key)
+        return slot is not None and self._refs[slot] >= 0
 
     def holds(self, key: BlockKey) -> bool:
         return self.policy.get(key) is not None
 
     def idle(self, key: BlockKey) -> bool:
-        state = self.policy.get(key)
-        return state is not None and state.ref_cnt == 0
+        slot = self.policy.get(key)
+        return slot is not None and self._refs[slot] == 0
 
     def pinned(self) -> int:
         """Blocks pinned by loads now (``ref_cnt > 0``); O(blocks), for health checks."""
-        return sum(1 for _, state in self.policy.items() if state.ref_cnt > 0)
+        refs = self._refs
+        return sum(1 for _, slot in self.policy.items() if refs[slot] > 0)
 
     # -- load path ----------------------------------------------------------------
     def lookup(self, keys: Sequence[BlockKey]) -> int:
-        for i, state in enumerate(self.policy.get_many(keys)):
-            if state is None or state.ref_cnt < 0:
+        refs = self._refs
+        for i, slot in enumerate(self.policy.get_many(keys)):
+            if slot is None or refs[slot] < 0:
                 return i
         return len(keys)
 
     def prepare_load(self, keys: Sequence[BlockKey]) -> list[int]:
-        states = self.policy.get_many(keys)
-        for key, state in zip(keys, states, strict=True):
-            if state is None or state.ref_cnt < 0:
+        slots = self.policy.get_many(keys)
+        refs = self._refs
+        for key, slot in zip(keys, slots, strict=True):
+            if slot is None or refs[slot] < 0:
                 raise BlockStateError(
                     f"tier {self.name!r}: prepare_load of {key.hex()} which is not ready"
                 )
-        slots = []
-        for state in states:
-            assert state is not None
-            state.ref_cnt += 1
-            slots.append(state.slot)
-        return slots
+        for slot in slots:
+            assert slot is not None
+            refs[slot] += 1
+        return slots  # type: ignore[return-value]  # checked above: no None
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
         self.policy.touch(reversed(keys))
 
     def complete_load(self, keys: Sequence[BlockKey]) -> None:
-        for key, state in zip(keys, self.policy.get_many(keys), strict=True):
-            if state is None or state.ref_cnt <= 0:
+        refs = self._refs
+        for key, slot in zip(keys, self.policy.get_many(keys), strict=True):
+            if slot is None or refs[slot] <= 0:
                 raise BlockStateError(
                     f"tier {self.name!r}: complete_load of {key.hex()} which is not pinned"
                 )
-            state.ref_cnt -= 1
+            refs[slot] -= 1
 
     # -- store path ---------------------------------------------------------------
     def prepare_store(self, keys: Sequence[BlockKey]) -> PrepareStoreOutput | None:
         # dict.fromkeys: keep call order, drop keys repeated within the call.
         unique = list(dict.fromkeys(keys))
-        states = self.policy.get_many(unique)
-        new = [k for k, state in zip(unique, states, strict=True) if state is None]
+        held = self.policy.get_many(unique)
+        new = [k for k, slot in zip(unique, held, strict=True) if slot is None]
         if not new:
             return PrepareStoreOutput([], [], [])
         deficit = len(new) - self.allocator.num_free
         evicted: list[BlockKey] = []
         evicted_slots: list[int] = []
         if deficit > 0:
-            victims = self.policy.evict(deficit, protected=set(keys))
+            victims = self.policy.evict(deficit, set(keys), self._refs)
             if victims is None:
                 return None
-            evicted_slots = [state.slot for _, state in victims]
+            evicted_slots = [slot for _, slot in victims]
             self.allocator.free(evicted_slots)
             evicted = [key for key, _ in victims]
             self._record(evicted, removed=True)
         slots = self.allocator.allocate(len(new))
         # The deficit was made good above, so allocation cannot fail here.
         assert slots is not None
-        self.policy.insert_many(new, list(map(BlockState, slots)))  # being written
+        refs = self._refs
+        for slot in slots:
+            refs[slot] = -1  # being written
+        self.policy.insert_many(new, slots)
         return PrepareStoreOutput(new, slots, evicted, evicted_slots)
 
     def complete_store(self, keys: Sequence[BlockKey], success: bool = True) -> None:
         done: list[BlockKey] = []
         freed: list[int] = []
+        refs = self._refs
         unique = list(dict.fromkeys(keys))  # a key listed twice is finished once
-        for key, state in zip(unique, self.policy.get_many(unique), strict=True):
+        for key, slot in zip(unique, self.policy.get_many(unique), strict=True):
             # Keys that were already held when prepare_store ran are not ours to finish.
-            if state is None or state.ref_cnt != -1:
+            if slot is None or refs[slot] != -1:
                 continue
             if success:
-                state.ref_cnt = 0
+                refs[slot] = 0
                 done.append(key)
             else:
                 self.policy.remove(key)
-                freed.append(state.slot)
+                freed.append(slot)
         if freed:
             self.allocator.free(freed)
         if done:
@@ -157,13 +171,14 @@ class LRUOffloadingManager(OffloadingManager):
         """Adopt ready blocks a persistent backend recovered: ``(key, slot)`` pairs,
         least recently used first, whose slots the allocator already counts as used.
         No events: nothing changed, the books caught up with the disk."""
-        insert, get = self.policy.insert, self.policy.get
+        insert, get, refs = self.policy.insert, self.policy.get, self._refs
         for key, slot in blocks:
             if not self.allocator.is_allocated(slot):
                 raise BlockStateError(f"tier {self.name!r}: restored slot {slot} is not allocated")
             if get(key) is not None:
                 raise BlockStateError(f"tier {self.name!r}: {key.hex()} restored twice")
-            insert(key, BlockState(slot, ref_cnt=0))
+            refs[slot] = 0
+            insert(key, slot)
 
     def remove(self, keys: Sequence[BlockKey]) -> list[int]:
         """Drop ready, unpinned blocks (found corrupt, or invalidated); return their
@@ -171,15 +186,15 @@ class LRUOffloadingManager(OffloadingManager):
         freed: list[int] = []
         removed: list[BlockKey] = []
         for key in keys:
-            state = self.policy.get(key)
-            if state is None:
+            slot = self.policy.get(key)
+            if slot is None:
                 continue
-            if state.ref_cnt != 0:
+            if self._refs[slot] != 0:
                 raise BlockStateError(
-                    f"tier {self.name!r}: remove of {key.hex()} with ref_cnt {state.ref_cnt}"
+                    f"tier {self.name!r}: remove of {key.hex()} with ref_cnt {self._refs[slot]}"
                 )
             self.policy.remove(key)
-            freed.append(state.slot)
+            freed.append(slot)
             removed.append(key)
         if freed:
             self.allocator.free(freed)
@@ -191,14 +206,12 @@ class LRUOffloadingManager(OffloadingManager):
         """Problems found (empty when consistent): slots unique, allocated, in range."""
         problems = self.allocator.check()
         seen: dict[int, BlockKey] = {}
-        for key, state in self.policy.items():
-            if state.slot in seen:
-                problems.append(
-                    f"slot {state.slot} held by {seen[state.slot].hex()} and {key.hex()}"
-                )
-            seen[state.slot] = key
-            if not self.allocator.is_allocated(state.slot):
-                problems.append(f"{key.hex()} sits in free slot {state.slot}")
+        for key, slot in self.policy.items():
+            if slot in seen:
+                problems.append(f"slot {slot} held by {seen[slot].hex()} and {key.hex()}")
+            seen[slot] = key
+            if not self.allocator.is_allocated(slot):
+                problems.append(f"{key.hex()} sits in free slot {slot}")
         if len(seen) > self.capacity:
             problems.append(f"{len(seen)} blocks exceed capacity {self.capacity}")
         in_use = self.allocator.num_slots - self.allocator.num_free

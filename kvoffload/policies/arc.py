@@ -9,18 +9,18 @@ Mooncake traces this buys 1-3 points of hit rate over LRU at small capacities.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Set
+from collections.abc import Iterable, Iterator, Sequence, Set
 
 from kvoffload.keys import BlockKey
-from kvoffload.policies.base import BlockState, EvictionPolicy
+from kvoffload.policies.base import EvictionPolicy
 
 
 def _next_victim(
-    it: Iterator[tuple[BlockKey, BlockState]], protected: Set[BlockKey]
-) -> tuple[BlockKey, BlockState] | None:
-    for key, state in it:
-        if state.ref_cnt == 0 and key not in protected:
-            return key, state
+    it: Iterator[tuple[BlockKey, int]], protected: Set[BlockKey], refs: Sequence[int]
+) -> tuple[BlockKey, int] | None:
+    for key, slot in it:
+        if refs[slot] == 0 and key not in protected:
+            return key, slot
     return None
 
 
@@ -29,8 +29,8 @@ class ARCPolicy(EvictionPolicy):
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
-        self._t1: OrderedDict[BlockKey, BlockState] = OrderedDict()  # recency, LRU first
-        self._t2: OrderedDict[BlockKey, BlockState] = OrderedDict()  # frequency, LRU first
+        self._t1: OrderedDict[BlockKey, int] = OrderedDict()  # recency, LRU first: key -> slot
+        self._t2: OrderedDict[BlockKey, int] = OrderedDict()  # frequency, LRU first
         self._b1: OrderedDict[BlockKey, None] = OrderedDict()  # ghosts evicted from T1
         self._b2: OrderedDict[BlockKey, None] = OrderedDict()  # ghosts evicted from T2
         self.p = 0.0  # target size of T1
@@ -38,53 +38,55 @@ class ARCPolicy(EvictionPolicy):
     def __len__(self) -> int:
         return len(self._t1) + len(self._t2)
 
-    def get(self, key: BlockKey) -> BlockState | None:
-        state = self._t1.get(key)
-        return state if state is not None else self._t2.get(key)
+    def get(self, key: BlockKey) -> int | None:
+        slot = self._t1.get(key)
+        return slot if slot is not None else self._t2.get(key)
 
-    def get_many(self, keys: Iterable[BlockKey]) -> list[BlockState | None]:
+    def get_many(self, keys: Iterable[BlockKey]) -> list[int | None]:
         t1, t2 = self._t1.get, self._t2.get
-        return [t1(k) or t2(k) for k in keys]
+        return [s if (s := t1(k)) is not None else t2(k) for k in keys]
 
-    def insert(self, key: BlockKey, state: BlockState) -> None:
+    def insert(self, key: BlockKey, slot: int) -> None:
         if key in self._b1:
             # It was evicted for being seen once, and came back: favour recency less.
             self.p = min(self.p + max(1.0, len(self._b2) / len(self._b1)), float(self.capacity))
             del self._b1[key]
-            self._t2[key] = state
+            self._t2[key] = slot
         elif key in self._b2:
             self.p = max(self.p - max(1.0, len(self._b1) / len(self._b2)), 0.0)
             del self._b2[key]
-            self._t2[key] = state
+            self._t2[key] = slot
         else:
-            self._t1[key] = state
+            self._t1[key] = slot
 
-    def remove(self, key: BlockKey) -> BlockState:
-        state = self._t1.pop(key, None)
-        return state if state is not None else self._t2.pop(key)
+    def remove(self, key: BlockKey) -> int:
+        slot = self._t1.pop(key, None)
+        return slot if slot is not None else self._t2.pop(key)
 
     def touch(self, keys: Iterable[BlockKey]) -> None:
         for key in keys:
-            state = self._t1.pop(key, None)
-            if state is not None:
-                self._t2[key] = state
+            slot = self._t1.pop(key, None)
+            if slot is not None:
+                self._t2[key] = slot
             elif key in self._t2:
                 self._t2.move_to_end(key)
 
-    def evict(self, n: int, protected: Set[BlockKey]) -> list[tuple[BlockKey, BlockState]] | None:
+    def evict(
+        self, n: int, protected: Set[BlockKey], refs: Sequence[int]
+    ) -> list[tuple[BlockKey, int]] | None:
         if n <= 0:
             return []
         # Choose all victims before removing any, so a failure changes nothing.
         it1, it2 = iter(self._t1.items()), iter(self._t2.items())
-        from_t1: list[tuple[BlockKey, BlockState]] = []
-        from_t2: list[tuple[BlockKey, BlockState]] = []
+        from_t1: list[tuple[BlockKey, int]] = []
+        from_t2: list[tuple[BlockKey, int]] = []
         while len(from_t1) + len(from_t2) < n:
             prefer_t1 = len(self._t1) - len(from_t1) > max(self.p, 0.0) or not self._t2
             first, second = (it1, it2) if prefer_t1 else (it2, it1)
-            victim = _next_victim(first, protected)
+            victim = _next_victim(first, protected, refs)
             from_first = victim is not None
             if victim is None:
-                victim = _next_victim(second, protected)
+                victim = _next_victim(second, protected, refs)
                 if victim is None:
                     return None
             took_t1 = prefer_t1 == from_first
@@ -100,6 +102,6 @@ class ARCPolicy(EvictionPolicy):
                 ghosts.popitem(last=False)
         return from_t1 + from_t2
 
-    def items(self) -> Iterator[tuple[BlockKey, BlockState]]:
+    def items(self) -> Iterator[tuple[BlockKey, int]]:
         yield from self._t1.items()
         yield from self._t2.items()
