@@ -22,7 +22,8 @@ and its 64 bits make an undetected corruption far less likely than a 32-bit CRC.
 from __future__ import annotations
 
 import zlib
-from typing import Final
+from collections.abc import Iterable, Sequence
+from typing import Any, Final
 
 import numpy as np
 import xxhash
@@ -124,3 +125,55 @@ def header_matches(rec: np.void, key: bytes, layout_fp: bytes, length: int) -> b
         and int(rec["length"]) == length
         and header_key(rec) == bytes(key)
     )
+
+
+def build_headers(
+    keys: Sequence[bytes],
+    *,
+    length: int,
+    first_seq: int,
+    wtime: float,
+    atime: float,
+    layout_fp: bytes,
+    checksums: Sequence[int],
+) -> np.ndarray[Any, np.dtype[np.void]]:
+    """The headers of a batch as one ``HEADER_DTYPE`` array, ``hcrc`` included; block
+    ``i`` gets ``seq = first_seq + i``.
+
+    A batch at a time because :func:`fill_header` goes through numpy scalar field
+    access, about 20 us a header: 0.7 s of a 512 MiB store of 16 KiB blocks, more than
+    the disk took (2026-11-23, ``kvoffload bench``). As array assignments plus one
+    ``crc32`` per header it is about 1 us."""
+    n = len(keys)
+    arr = np.zeros(n, dtype=HEADER_DTYPE)
+    if n == 0:
+        return arr
+    arr["magic"] = MAGIC
+    arr["version"] = VERSION
+    arr["key_len"] = [len(k) for k in keys]
+    arr["length"] = length
+    arr["seq"] = np.arange(first_seq, first_seq + n, dtype=np.uint64)
+    arr["wtime"] = wtime
+    arr["atime"] = atime
+    arr["layout"] = np.void(bytes(layout_fp))
+    arr["checksum"] = np.array(checksums, dtype=np.uint64)
+    arr["key"] = padded_keys(keys)
+    seal_rows(arr, range(n))
+    return arr
+
+
+def padded_keys(keys: Sequence[bytes]) -> np.ndarray[Any, np.dtype[np.void]]:
+    """``keys`` as the header's ``key`` field stores them (NUL-padded), for comparing a
+    batch of headers with the keys asked for in one array operation."""
+    joined = b"".join(bytes(k).ljust(MAX_KEY_BYTES, b"\0") for k in keys)
+    return np.frombuffer(joined, dtype=f"V{MAX_KEY_BYTES}")
+
+
+def seal_rows(table: np.ndarray[Any, np.dtype[np.void]], rows: Iterable[int]) -> None:
+    """:func:`seal` the given elements of a contiguous ``HEADER_DTYPE`` array, without
+    numpy scalar access (see :func:`build_headers`)."""
+    raw = table.view(np.uint8).data.cast("B")
+    hcrc = table["hcrc"]
+    for i in rows:
+        start = i * HEADER_BYTES
+        hcrc[i] = zlib.crc32(raw[start : start + HEADER_BYTES - 4])
