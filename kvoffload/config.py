@@ -45,6 +45,8 @@ from kvoffload.sizes import SIZE_HINT, parse_size
 
 ENV_PREFIX: Final = "KVOFFLOAD_"
 ENV_CONFIG_FILE: Final = "KVOFFLOAD_CONFIG"
+CONFIG_VERSION: Final = 1
+"""The config schema version this kvoffload reads."""
 _RESERVED_ENV: Final = frozenset(
     {
         ENV_CONFIG_FILE,
@@ -121,9 +123,11 @@ class CPUTierConfig(TierConfig):
 class DiskTierConfig(TierConfig):
     """Settings shared by the persistent tiers."""
 
-    path: str = Field(default="kvoffload-tier", min_length=1)
-    """Directory holding the tier's files; created if missing. Relative paths are taken
-    from the current directory. One writer process per directory."""
+    path: str = Field(min_length=1)
+    """Directory holding the tier's files; created if missing. Required: a default would
+    put the tier wherever the engine happens to start, and two tiers that both left it
+    out would share it. Relative paths are taken from the current directory. One writer
+    process per directory, and no tier's directory inside another's."""
     fsync: bool = True
     """``true``: flush to the device after every store batch, so a block whose store
     completed survives power loss. ``false``: completed stores survive a process crash
@@ -406,7 +410,8 @@ class KVOffloadConfig(BaseModel):
     model_config = _MODEL_CONFIG
 
     version: Literal[1] = 1
-    """Schema version of this file."""
+    """Schema version of this file. A file for a newer kvoffload is refused rather than
+    read with settings this version does not know."""
     tiers: list[AnyTierConfig] = Field(default_factory=lambda: _default_tier_list(), min_length=1)
     """Ordered tiers, fastest first (cpu, then disk). Loads use the tier holding the
     longest prefix."""
@@ -430,6 +435,45 @@ class KVOffloadConfig(BaseModel):
                     f"tiers[{i}]; give every tier a unique name"
                 )
             first[tier.name] = i
+        return tiers
+
+    @field_validator("version", mode="before")
+    @classmethod
+    def _known_version(cls, version: Any) -> Any:
+        if isinstance(version, int) and not isinstance(version, bool) and version > CONFIG_VERSION:
+            raise ValueError(
+                f"this kvoffload reads config version {CONFIG_VERSION}; the file is for a "
+                f"newer kvoffload: upgrade kvoffload, or write it for version {CONFIG_VERSION}"
+            )
+        return version
+
+    @field_validator("tiers")
+    @classmethod
+    def _separate_directories(cls, tiers: list[TierConfig]) -> list[TierConfig]:
+        """Two disk tiers in one directory, or one inside the other, would each take the
+        other's files for their own (and the second writer is refused at start): refuse
+        the config instead, naming both."""
+        seen: list[tuple[int, str, Path]] = []
+        for i, tier in enumerate(tiers):
+            raw = getattr(tier, "path", None)
+            if not isinstance(raw, str):
+                continue
+            here = Path(raw).expanduser().resolve()
+            for j, other_raw, there in seen:
+                if here == there or here in there.parents or there in here.parents:
+                    if here == there:
+                        how = "is the same directory as"
+                    elif there in here.parents:
+                        how = "is inside"
+                    else:
+                        how = "contains"
+                    raise _tier_error(
+                        (i, "path"),
+                        raw,
+                        f"{how} tiers[{j}].path = {other_raw!r} (tier {tiers[j].name!r}); "
+                        f"give each disk tier a directory of its own, neither inside another",
+                    )
+            seen.append((i, raw, here))
         return tiers
 
     @field_validator("tiers")
@@ -647,6 +691,13 @@ def _format_errors(
             allowed = allowed or _allowed_keys(loc[:-1])
             hint = f"; allowed keys: {', '.join(allowed)}" if allowed else ""
             messages.append(f"{source}: {path}: unknown key{hint}")
+        elif etype == "missing" and loc[-1] == "path" and isinstance(value, Mapping):
+            name = value.get("name", "?")
+            messages.append(
+                f"{source}: {path}: required field is missing: tier {name!r} keeps its "
+                f"blocks on disk and needs a directory of its own, e.g. path: "
+                f"/var/lib/kvoffload/{name}"
+            )
         elif etype == "missing":
             messages.append(f"{source}: {path}: required field is missing")
         else:

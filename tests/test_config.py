@@ -161,8 +161,30 @@ BAD_CONFIGS = [
     ),
     pytest.param(
         "version: 2\n",
-        ("version", "= 2", "should be 1"),
-        id="version-2",
+        ("version", "= 2", "reads config version 1", "newer kvoffload", "upgrade"),
+        id="version-from-the-future",
+    ),
+    pytest.param(
+        "version: one\n",
+        ("version", "'one'", "should be 1"),
+        id="version-not-a-number",
+    ),
+    pytest.param(
+        "tiers:\n  - name: cpu\n  - name: ssd\n    backend: mmap\n",
+        ("tiers[1].path", "required field is missing", "'ssd'", "directory of its own"),
+        id="disk-tier-without-a-path",
+    ),
+    pytest.param(
+        "tiers:\n  - name: cpu\n  - name: ssd\n    backend: mmap\n    path: /srv/kv\n"
+        "  - name: db\n    backend: lmdb\n    path: /srv/kv/\n",
+        ("tiers[2].path", "'/srv/kv/'", "same directory", "tiers[1].path", "'ssd'"),
+        id="two-disk-tiers-in-one-directory",
+    ),
+    pytest.param(
+        "tiers:\n  - name: cpu\n  - name: ssd\n    backend: mmap\n    path: /srv/kv\n"
+        "  - name: db\n    backend: lmdb\n    path: /srv/kv/db\n",
+        ("tiers[2].path", "'/srv/kv/db'", "is inside", "tiers[1].path = '/srv/kv'"),
+        id="a-disk-tier-inside-another",
     ),
     pytest.param(
         _tier("    capacity: 1GiB\n", name="'my tier!'"),

@@ -241,3 +241,79 @@ def test_snapshot_bigger_than_the_tier_counts_what_it_evicted(tmp_path: Path) ->
     assert counts["imported"] == 20
     assert counts["imported"] + counts["evicted"] + counts["rejected"] == 60
     assert inspect_tiers(load_config(small))["disk"]["blocks"] == 20
+
+
+def _damaged(snap: Path, how: str) -> None:
+    """Rewrite the good snapshot ``snap`` the way ``how`` says."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    data = snap.read_bytes()
+    with safe_open(str(snap), framework="pt") as f:
+        meta = dict(f.metadata())
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    if how == "garbage":
+        snap.write_bytes(random.Random(5).randbytes(4096))
+    elif how == "empty":
+        snap.write_bytes(b"")
+    elif how == "truncated":
+        snap.write_bytes(data[: len(data) // 2])
+    elif how == "huge-header":
+        snap.write_bytes((2**60).to_bytes(8, "little") + data[8:])
+    elif how == "wrong-dtype":
+        save_file({**tensors, "key_lens": tensors["key_lens"].to(torch.int32)}, str(snap), meta)
+    elif how == "wrong-shape":
+        save_file({**tensors, "blocks": tensors["blocks"][:, :-64].clone()}, str(snap), meta)
+    elif how == "missing-tensor":
+        save_file({"blocks": tensors["blocks"], "keys": tensors["keys"]}, str(snap), meta)
+    elif how == "bad-key-length":
+        lens = tensors["key_lens"].clone()
+        lens[0] = 1000
+        save_file({**tensors, "key_lens": lens}, str(snap), meta)
+    elif how == "other-format":
+        save_file(tensors, str(snap), {**meta, "format": "someone-else/1"})
+    elif how == "layout-fingerprint-mismatch":
+        other = {**json.loads(meta["layout"]), "num_layers": 4}
+        save_file(tensors, str(snap), {**meta, "layout": json.dumps(other)})
+    else:
+        raise AssertionError(how)
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        "garbage",
+        "empty",
+        "truncated",
+        "huge-header",
+        "wrong-dtype",
+        "wrong-shape",
+        "missing-tensor",
+        "bad-key-length",
+        "other-format",
+        "layout-fingerprint-mismatch",
+    ],
+)
+def test_a_damaged_snapshot_is_refused_before_any_tier_is_touched(tmp_path: Path, how: str) -> None:
+    cfg_a = load_config(raw_config(tmp_path / "a"))
+    fill(cfg_a, 5)
+    snap = tmp_path / "s.safetensors"
+    export_snapshot(cfg_a, snap)
+    _damaged(snap, how)
+    target = tmp_path / "b"
+    with pytest.raises(LayoutMismatchError, match=r"s\.safetensors: not a usable kvoffload"):
+        import_snapshot(load_config(raw_config(target)), snap)
+    assert not target.exists()  # validated first: no tier directory was even created
+    cfg_path = tmp_path / "b.yaml"
+    cfg_path.write_text(yaml.safe_dump(raw_config(target)))
+    proc = subprocess.run(
+        [str(KVOFFLOAD), "snapshot", "import", "--config", str(cfg_path), str(snap)],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "s.safetensors" in lines[0]
+    assert "Traceback" not in proc.stderr
+    assert not target.exists()

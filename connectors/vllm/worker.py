@@ -75,10 +75,16 @@ class TieredOffloadWorker:
         # Layer-wise loads submitted by start_load_kv and not yet collected, by job id.
         self._layer_loads: dict[int, tuple[_Load, LayerProgress]] = {}
 
+    def _registered(self) -> _Shared | None:
+        """The worker side's state, ``None`` before ``register_kv_caches``. Read under
+        the registry's lock: the scheduler side and shutdown change the registry from
+        other threads."""
+        with _REGISTRY_LOCK:
+            return _REGISTRY.get(self._slot)
+
     def _shared(self) -> _Shared:
         """The worker side's state (worker side only)."""
-        with _REGISTRY_LOCK:
-            shared = _REGISTRY.get(self._slot)
+        shared = self._registered()
         if shared is None:
             raise RuntimeError("TieredOffloadConnector: no Offloader: register_kv_caches first")
         return shared
@@ -197,14 +203,14 @@ class TieredOffloadWorker:
 
     def handle_preemptions(self) -> None:
         # A preempted request's blocks are about to be reused: finish its stores first.
-        shared = _REGISTRY.get(self._slot)
+        shared = self._registered()
         if shared is not None:
             self._finish_layer_loads(shared)
         if self._store_jobs and shared is not None:
             self._collect(shared, shared.offloader.wait(list(self._store_jobs)))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        shared = _REGISTRY.get(self._slot)
+        shared = self._registered()
         if shared is not None:
             # Before taking finished results: a layer-wise load's is waited for by id.
             self._finish_layer_loads(shared)
@@ -230,7 +236,7 @@ class TieredOffloadWorker:
     def get_kv_connector_stats(self) -> TieredOffloadStats | None:
         """Counts since the previous call (the connector asks only this half: see
         ``TieredOffloadConnector.get_kv_connector_stats``)."""
-        shared = _REGISTRY.get(self._slot)
+        shared = self._registered()
         if shared is None:
             return None
         now = _snapshot(shared)
@@ -242,7 +248,7 @@ class TieredOffloadWorker:
     def get_kv_connector_kv_cache_events(self) -> TieredOffloadKVEvents | None:
         """The tiers' KV events since the previous step (worker side; ``None`` when
         there are none, or events are off). Drains the tiers' records either way."""
-        shared = _REGISTRY.get(self._slot)
+        shared = self._registered()
         if shared is None:
             return None
         events, unknown = shared.events.take(shared.offloader)
@@ -250,7 +256,7 @@ class TieredOffloadWorker:
         return TieredOffloadKVEvents(events) if events else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        shared = _REGISTRY.get(self._slot)
+        shared = self._registered()
         if shared is not None:
             self._finish_layer_loads(shared)
         errors, self._load_errors = self._load_errors, set()

@@ -227,6 +227,72 @@ def _header_json(n: int, bpb: int, meta: dict[str, str]) -> bytes:
     return json.dumps(header, separators=(",", ":")).encode()
 
 
+_SNAPSHOT_TENSORS: Final = {"blocks": "U8", "keys": "U8", "key_lens": "I16"}
+
+
+def check_snapshot(src: Path) -> KVLayout:
+    """Validate a whole snapshot file without touching any tier; its layout.
+
+    Everything an import relies on is checked first, so a garbage, truncated or foreign
+    file is refused in one line (:class:`LayoutMismatchError`, exit 2 from the CLI)
+    before a single block is written: the safetensors header (its declared size against
+    the file's, before it is parsed, so a huge declared header is not read), the
+    format and layout in the metadata and their fingerprint, the three tensors' names,
+    dtypes and shapes against each other and the layout, and every key length."""
+    from safetensors import SafetensorError, safe_open
+
+    def bad(why: str) -> LayoutMismatchError:
+        return LayoutMismatchError(f"{src}: not a usable kvoffload snapshot: {why}")
+
+    try:
+        size = src.stat().st_size
+        with src.open("rb") as f:
+            head = f.read(8)
+    except OSError as exc:
+        raise LayoutMismatchError(
+            f"{src}: cannot read the snapshot: {exc.strerror or exc}"
+        ) from None
+    if len(head) < 8:
+        raise bad(f"{size} bytes, shorter than a safetensors header")
+    (declared,) = struct.unpack("<Q", head)
+    if declared > size - 8:
+        raise bad(f"the header declares {declared} bytes but the file has {size - 8} after it")
+    try:
+        with safe_open(str(src), framework="pt") as snap:
+            meta = snap.metadata() or {}
+            names = set(snap.keys())
+            shapes = {n: snap.get_slice(n).get_shape() for n in names}
+            dtypes = {n: snap.get_slice(n).get_dtype() for n in names}
+            if meta.get("format") != SNAPSHOT_FORMAT:
+                raise bad(f"format {meta.get('format')!r}, expected {SNAPSHOT_FORMAT!r}")
+            if set(_SNAPSHOT_TENSORS) != names:
+                raise bad(f"tensors {sorted(names)}, expected {sorted(_SNAPSHOT_TENSORS)}")
+            for name, dtype in _SNAPSHOT_TENSORS.items():
+                if dtypes[name] != dtype:
+                    raise bad(f"tensor {name!r} is {dtypes[name]}, expected {dtype}")
+            try:
+                layout = KVLayout(**json.loads(meta["layout"]))
+            except (KeyError, TypeError, ValueError) as exc:
+                raise bad(f"its layout metadata is invalid ({exc})") from None
+            if layout.fingerprint.hex() != meta.get("fingerprint"):
+                raise bad("its layout and fingerprint disagree (damaged?)")
+            n = shapes["blocks"][0] if len(shapes["blocks"]) == 2 else -1
+            want = {
+                "blocks": [n, layout.bytes_per_block],
+                "keys": [n, MAX_KEY_BYTES],
+                "key_lens": [n],
+            }
+            for name, shape in want.items():
+                if list(shapes[name]) != shape:
+                    raise bad(f"tensor {name!r} has shape {list(shapes[name])}, expected {shape}")
+            lens = snap.get_tensor("key_lens")
+            if n and (int(lens.min()) < 1 or int(lens.max()) > MAX_KEY_BYTES):
+                raise bad(f"key lengths must be 1..{MAX_KEY_BYTES}")
+    except SafetensorError as exc:
+        raise bad(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
+    return layout
+
+
 def import_snapshot(
     config: KVOffloadConfig, src: Path, tier_name: str | None = None
 ) -> dict[str, int]:
@@ -243,15 +309,8 @@ def import_snapshot(
     if not tiers:
         raise ConfigError("snapshot import: the config has no persistent tier (mmap, lmdb, ...)")
     tier = tiers[0]
+    layout = check_snapshot(src)  # the whole file, before any tier is opened
     with safe_open(str(src), framework="pt") as snap:
-        meta = snap.metadata() or {}
-        if meta.get("format") != SNAPSHOT_FORMAT:
-            raise LayoutMismatchError(
-                f"{src}: not a kvoffload snapshot (format {meta.get('format')!r})"
-            )
-        layout = KVLayout(**json.loads(meta["layout"]))
-        if layout.fingerprint.hex() != meta.get("fingerprint"):
-            raise LayoutMismatchError(f"{src}: layout and fingerprint disagree; file damaged?")
         stored = getattr(get_backend_class(tier.backend), "stored_layout", None)
         have = stored(tier) if stored is not None else None
         if isinstance(have, KVLayout) and have.fingerprint != layout.fingerprint:
