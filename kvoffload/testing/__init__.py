@@ -14,5 +14,6 @@ Needs pytest (the ``dev`` extra).
 """
 
 from kvoffload.testing.contract import BackendContract, BackendFactory, make_backend
+from kvoffload.testing.faults import Faults, FaultyBackend
 
-__all__ = ["BackendContract", "BackendFactory", "make_backend"]
+__all__ = ["BackendContract", "BackendFactory", "Faults", "FaultyBackend", "make_backend"]
