@@ -16,6 +16,7 @@ Every public method takes the lock itself, and is one transaction.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -34,6 +35,8 @@ from kvoffload.plans import (
     TierStats,
     Write,
 )
+
+logger = logging.getLogger(__name__)
 
 LOAD_PRIORITY_WAIT_S: Final = 0.02
 """Longest a copy into a persistent tier waits for in-flight loads to finish."""
@@ -72,6 +75,10 @@ class Books:
         # Load counts serve only the admission filter: without one, nobody counts them.
         self._counting = any(c.admit_after_hits for c in self.configs)
         self._job_seconds = [0.0] * len(self.managers)  # moving average per store job
+        # Circuit breaker per tier: failed reads or writes in a row, and until when
+        # (time.monotonic) the tier is bypassed after they reached breaker_errors.
+        self._failures = [0] * len(self.managers)
+        self._bypass_until = [0.0] * len(self.managers)
         first = self.managers[0].capacity
         budget = max(1, min(prefetch_max_inflight // bytes_per_block, first // 2))
         self.claims = Claims(self, budget)
@@ -240,6 +247,34 @@ class Books:
             stats.read_seconds += seconds
             stats.bytes_read += nbytes
 
+    def health(self, t: int, ok: bool) -> None:
+        """A read or write of tier ``t`` succeeded or failed (an I/O error, not a block
+        found invalid): feeds the tier's circuit breaker. Enough failures in a row
+        (``breaker_errors``) bypass the tier for ``breaker_backoff_ms``; when that has
+        passed, the next operation is the probe: a success closes the breaker, a
+        failure trips it again at once (the count is still over the limit)."""
+        with self.lock:
+            if ok:
+                self._failures[t] = 0
+                return
+            self._failures[t] += 1
+            cfg = self.configs[t]
+            now = time.monotonic()
+            tripped = cfg.breaker_errors and self._failures[t] >= cfg.breaker_errors
+            if tripped and now >= self._bypass_until[t]:
+                self._bypass_until[t] = now + cfg.breaker_backoff_ms / 1e3
+                self.stats[t].breaker_trips += 1
+                logger.warning(
+                    "tier %s: %d failed reads or writes in a row; bypassing it for %.1f s",
+                    self.configs[t].name,
+                    self._failures[t],
+                    cfg.breaker_backoff_ms / 1e3,
+                )
+
+    def bypassed(self, t: int) -> bool:
+        """Whether tier ``t``'s breaker is open now (call under the lock)."""
+        return t > 0 and time.monotonic() < self._bypass_until[t]
+
     def settle_write(
         self, w: Write, ok: list[bool], *, failed: bool, demoted: bool, written_buf: bool
     ) -> tuple[list[Copy], bool]:
@@ -367,7 +402,7 @@ class Books:
             return located
         for key in keys[len(located) :]:
             for t, manager in enumerate(self.managers):
-                if manager.ready(key):
+                if manager.ready(key) and not self.bypassed(t):
                     located.append(t)
                     break
             else:
@@ -377,6 +412,9 @@ class Books:
     def _accepts(self, t: int, n: int) -> bool:
         """Whether tier ``t`` takes a new store job now; counts the drop if not."""
         cfg = self.configs[t]
+        if self.bypassed(t):
+            self.stats[t].bypassed_stores += n
+            return False
         depth = self._depth(t)
         full = depth >= cfg.max_pending_stores
         if not full and cfg.max_store_delay_ms is not None:

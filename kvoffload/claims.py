@@ -168,7 +168,7 @@ class Claims:
                 (
                     t
                     for t in range(1, len(self._books.managers))
-                    if self._books.managers[t].ready(key)
+                    if self._books.managers[t].ready(key) and not self._books.bypassed(t)
                 ),
                 None,
             )

@@ -109,6 +109,13 @@ class TierConfig(BaseModel):
     write_throttle: ByteSize | None = None
     """Test knob: cap this tier's write rate at this many bytes per second (sleeping
     after each write), to simulate a slow disk. ``null``: full speed."""
+    breaker_errors: int = Field(default=5, ge=0)
+    """Circuit breaker: after this many failed reads or writes in a row, bypass the
+    tier for ``breaker_backoff_ms`` (no stores into it, no loads from it: misses),
+    then try it again; one success closes the breaker. ``0``: never bypass. A failing
+    disk then costs a few errors per back-off instead of an error per batch."""
+    breaker_backoff_ms: float = Field(default=5000.0, gt=0)
+    """How long a tripped breaker bypasses the tier before the next try."""
 
 
 class CPUTierConfig(TierConfig):

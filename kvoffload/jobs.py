@@ -171,6 +171,8 @@ class Jobs:
                 self._books.count_write(w.tier, seconds)
             written = True
         finally:
+            if w.tier > 0 and n:  # a lower tier's write raised, or went through
+                self._books.health(w.tier, written)
             has_buf = buf is not None and n > 0 and written
             orders, handed_on = self._books.settle_write(
                 w,
@@ -273,6 +275,8 @@ class Jobs:
             ok = None
         nbytes = sum(ok) * self.bpb if ok is not None else 0
         self._books.count_read(t, time.perf_counter() - t0, nbytes)
+        if t > 0:
+            self._books.health(t, ok is not None)
         return ok
 
     def prefetch(self, p: Prefetch) -> int:

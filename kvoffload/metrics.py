@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Final, Literal
 
-Unit = Literal["blocks", "bytes", "seconds"]
+Unit = Literal["blocks", "bytes", "events", "seconds"]
 """What a counter counts. ``seconds`` counters are floats, the others ints."""
 
 _METRIC: Final = "kvoffload.metric"
@@ -62,7 +62,7 @@ class Metric:
 
 
 def _count(
-    help: str, *, unit: Literal["blocks", "bytes"] = "blocks", column: str | None = None
+    help: str, *, unit: Literal["blocks", "bytes", "events"] = "blocks", column: str | None = None
 ) -> int:
     """A counter field of whole ``unit``: its default is 0, its metadata the schema."""
     return field(default=0, metadata={_METRIC: Metric("", help, unit, column)})
@@ -125,6 +125,13 @@ class TierCounters:
     )
     promotions: int = _count(
         "Blocks copied up into this tier by a load or a prefetch (first tier only)."
+    )
+    breaker_trips: int = _count(
+        "Times this tier was bypassed after breaker_errors failed reads or writes in a row.",
+        unit="events",
+    )
+    bypassed_stores: int = _count(
+        "Blocks not written into this tier because its breaker was open (bypassed)."
     )
 
 

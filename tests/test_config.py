@@ -511,7 +511,7 @@ def test_plugin_tier_errors_name_the_field() -> None:
     assert str(info.value) == (
         "<dict>: tiers[0].colour: unknown key; allowed keys: name, backend, capacity, "
         "write_policy, admit_after_hits, max_pending_stores, max_store_delay_ms, "
-        "write_throttle, copies"
+        "write_throttle, breaker_errors, breaker_backoff_ms, copies"
     )
 
 

@@ -6,6 +6,7 @@ stay consistent, and once the disk recovers the tier takes and serves blocks aga
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -28,8 +29,11 @@ FAULTS = {
 
 
 def _faulty(tmp: Path, faults: Faults) -> tuple[Offloader, FaultyBackend]:
-    """cpu (8 blocks) -> mmap (write-through, faulty): most loads come from the disk."""
-    config = load_config({"tiers": _tiers(tmp, cpu_blocks=8)[:2]}, env={})
+    """cpu (8 blocks) -> mmap (write-through, faulty): most loads come from the disk.
+    The circuit breaker is off here: every fault reaches the stack (it has a test of
+    its own below)."""
+    cpu, disk = _tiers(tmp, cpu_blocks=8)[:2]
+    config = load_config({"tiers": [cpu, {**disk, "breaker_errors": 0}]}, env={})
     tiers = build_tiers(config, LAYOUT)
     faulty = FaultyBackend(tiers[1].backend, faults)
     tiers[1].backend = faulty
@@ -89,3 +93,38 @@ def test_the_stack_keeps_serving_under_injected_faults(tmp_path: Path, kind: str
         assert n == a  # every block of the recovered round loads, bit-exact
         assert off.check() == []
         assert off.pinned() == [0, 0]
+
+
+def test_a_failing_tier_is_bypassed_then_probed_and_closed(tmp_path: Path) -> None:
+    """breaker_errors failures in a row trip the breaker: the tier gets no stores and
+    serves no loads for the back-off (its faults stop being reached), then one
+    success after the back-off closes it."""
+    faults = Faults(write_error=1.0, read_error=1.0, seed=9)
+    lower = {"breaker_errors": 3, "breaker_backoff_ms": 300}
+    config = load_config(
+        {"tiers": [*_tiers(tmp_path, cpu_blocks=8)[:1], {**_tiers(tmp_path, 8)[1], **lower}]},
+        env={},
+    )
+    tiers = build_tiers(config, LAYOUT)
+    faulty = FaultyBackend(tiers[1].backend, faults)
+    tiers[1].backend = faulty
+    with Offloader(config, LAYOUT, BlockPool.allocate(LAYOUT, POOL), tiers=tiers) as off:
+        disk = off.stats[1]
+        for r in range(3):
+            _round(off, r)
+        assert disk.breaker_trips == 1
+        tried = faulty.injected["write_error"]
+        assert tried == 3  # three failures in a row, then no more tries
+        assert disk.bypassed_stores > 0
+        assert off.check() == []
+        # The disk heals; within the back-off the tier stays bypassed.
+        faulty.enabled = False
+        before = disk.blocks_stored
+        _round(off, 10)
+        assert disk.blocks_stored == before
+        time.sleep(0.35)  # the back-off passes: the next store is the probe
+        asked, loaded = _round(off, 11)
+        assert disk.blocks_stored > before  # probed, closed, written
+        assert loaded == asked
+        assert disk.breaker_trips == 1
+        assert off.check() == []
