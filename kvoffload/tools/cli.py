@@ -414,5 +414,15 @@ def _print_report(console: Console, report: StressReport) -> None:
     )
     summary.add_row("hit rate", f"{report.hit_rate:.3f}")
     summary.add_row("integrity errors", str(report.integrity_errors))
+    res = [r for r in report.resources if "rss_bytes" in r]
+    if res:  # start, middle and end of the run: what a soak looks at
+        picks = (res[0], res[len(res) // 2], res[-1])
+        for label, key, scale in (
+            ("RSS MiB start / middle / end", "rss_bytes", 2**20),
+            ("locked MiB start / middle / end", "locked_bytes", 2**20),
+            ("open fds start / middle / end", "open_fds", 1),
+            ("threads start / middle / end", "threads", 1),
+        ):
+            summary.add_row(label, " / ".join(f"{r[key] / scale:.0f}" for r in picks))
     console.print(summary)
     console.print(f"integrity errors: {report.integrity_errors}")
