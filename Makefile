@@ -24,7 +24,7 @@ $(VENV)/.base: $(PY) pyproject.toml constraints.txt
 	$(CLEAN_EGG)
 	touch $@
 
-$(VENV)/.dev: $(VENV)/.base tests/plugin_dist/pyproject.toml
+$(VENV)/.dev: $(VENV)/.base tests/plugin_dist/pyproject.toml tests/plugin_dist/kvoffload_testplugin/__init__.py
 	$(PIPC) -e '.[dev]' $(EDITABLE)
 	$(PIPC) ./tests/plugin_dist
 	@# vLLM's CPU build: the baseline of `kvoffload bench` (its fs tier) and the engine of

@@ -59,6 +59,7 @@ class Books:
         bytes_per_block: int,
         persistent: Sequence[bool],
         prefetch_max_inflight: int,
+        load_timeout_s: float = 10.0,
         depth: Callable[[int], int],
         discard: Callable[[int, list[int]], None],
     ) -> None:
@@ -81,7 +82,8 @@ class Books:
         self._bypass_until = [0.0] * len(self.managers)
         first = self.managers[0].capacity
         budget = max(1, min(prefetch_max_inflight // bytes_per_block, first // 2))
-        self.claims = Claims(self, budget)
+        self.load_timeout_s = load_timeout_s
+        self.claims = Claims(self, budget, load_timeout_s)
         self.prefetch_stats = self.claims.stats
         self.stats = [
             TierStats(c.name, c.backend, m.capacity, "first" if i == 0 else c.write_policy)

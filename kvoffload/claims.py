@@ -28,6 +28,8 @@ class _Claim:
 
     waits: list[Prefetch] = field(default_factory=list)
     rounds: int = 0
+    since: float = 0.0
+    """When it began waiting for :attr:`waits` (``time.monotonic``)."""
 
 
 class Claims:
@@ -35,9 +37,10 @@ class Claims:
     ``budget``: blocks in flight at most (``prefetch_max_inflight``, and half the first
     tier)."""
 
-    def __init__(self, books: Books, budget: int) -> None:
+    def __init__(self, books: Books, budget: int, timeout_s: float = 10.0) -> None:
         self._books = books
         self.budget = budget
+        self.timeout_s = timeout_s
         self.stats = PrefetchStats()
         # Keys in flight to the first tier, owners waiting, and keys prefetched but not
         # loaded yet (for the hit / wasted counts).
@@ -51,15 +54,21 @@ class Claims:
     ) -> tuple[LoadPlan | None, list[Prefetch]]:
         """See :meth:`Books.claim`."""
         b = self._books
+        max_rounds = 2 + -(-len(keys) // self.budget)
         cl = self._claims.get(owner)
         if cl is not None and any(not p.done for p in cl.waits):
-            return None, []
+            if time.monotonic() - cl.since < self.timeout_s:
+                return None, []
+            # Late (a slow or hanging tier): settle for what is up top now. The
+            # prefetches already running land for whoever asks next.
+            self._detach(owner, cl)
+            cl.rounds = max_rounds
+            self.stats.late += 1
         if cl is None:
             cl = self._claims[owner] = _Claim()
         cl.waits = []
         first = b.managers[0]
         ready = first.lookup(keys)
-        max_rounds = 2 + -(-len(keys) // self.budget)
         below = len(b.managers) > 1 and not b.persistent[0]
         if below and cl.rounds < max_rounds:
             waits, started, starved = self._start(keys, ready)
@@ -67,6 +76,7 @@ class Claims:
                 cl.rounds += 1
             if waits or starved:
                 cl.waits = waits
+                cl.since = time.monotonic()
                 for p in waits:
                     p.waiters.add(owner)
                 return None, started
@@ -87,8 +97,12 @@ class Claims:
     def release(self, owner: Hashable) -> None:
         """See :meth:`Books.release`."""
         cl = self._claims.pop(owner, None)
-        if cl is None:
-            return
+        if cl is not None:
+            self._detach(owner, cl)
+
+    def _detach(self, owner: Hashable, cl: _Claim) -> None:
+        """``owner`` no longer waits for ``cl``'s prefetches: cancel those nobody else
+        waits for and that have not started."""
         for p in cl.waits:
             p.waiters.discard(owner)
             if not p.waiters and not p.started and not p.done:
@@ -96,6 +110,7 @@ class Claims:
                 self._landed(p, [])
                 self._books._abort_write(p.write)
                 self.stats.wasted += len(p.write.keys)
+        cl.waits = []
 
     def starts(self, p: Prefetch) -> bool:
         """Whether a prefetch job may run (``False``: cancelled meanwhile)."""

@@ -428,6 +428,15 @@ class KVOffloadConfig(BaseModel):
     """Most bytes of lower-tier blocks being prefetched into the first tier at once
     (each reserves a first-tier slot until verified); also capped at half the first
     tier. A claim that needs more waits for earlier prefetches to land."""
+    load_timeout_ms: float = Field(default=10_000.0, gt=0)
+    """Longest a load may keep a request waiting, in each of its two waits: the
+    prefetch of its blocks from a lower tier (the request is held back meanwhile; the
+    clock restarts with each round of prefetches) and the engine step's copy into the
+    KV cache. Past it the engine goes on without those blocks: a claim settles for the
+    prefix already in the first tier, a step's load is abandoned and its blocks are
+    recomputed (its bytes are never copied in afterwards). A read that takes longer
+    counts as a failure for the tier's circuit breaker, so a hanging disk is bypassed
+    after ``breaker_errors`` of them."""
     stress: StressConfig = StressConfig()
     """Defaults for ``kvoffload stress``."""
 

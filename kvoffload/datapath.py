@@ -117,17 +117,54 @@ class LayerProgress:
         with self._cond:
             return self._finished
 
-    def wait(self, layer: int, stream: Any = None) -> None:
+    def wait(self, layer: int, stream: Any = None, timeout: float | None = None) -> bool:
         """Return once layer ``layer`` (all of them when it is out of range) can be read
-        on ``stream`` (CUDA: the stream waits on the layer's event) or the load ended."""
+        on ``stream`` (CUDA: the stream waits on the layer's event) or the load ended:
+        ``True``; ``False`` when ``timeout`` seconds passed first."""
         want = layer + 1 if 0 <= layer < self.num_layers else self.num_layers
         with self._cond:
-            self._cond.wait_for(lambda: len(self._events) >= want or self._finished)
+            if not self._cond.wait_for(
+                lambda: len(self._events) >= want or self._finished, timeout
+            ):
+                return False
             events = self._events[layer : layer + 1] if want == layer + 1 else self._events
         if stream is not None:
             for event in events:
                 if event is not None:
                     stream.wait_event(event)
+        return True
+
+
+class LoadGate:
+    """Settles the race between a load job about to copy into the engine's blocks and
+    the engine giving up on that load (``load_timeout_ms``): exactly one of them wins.
+    Once the engine has abandoned a load it recomputes those blocks, so a copy landing
+    afterwards would overwrite fresh KV with stale bytes; once the copy has begun, the
+    engine waits for it (a memory copy: bounded) rather than recompute over it."""
+
+    _PENDING, _COPYING, _ABANDONED = range(3)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._state = self._PENDING
+
+    def enter(self) -> bool:
+        """The job is about to copy into the pool: ``False`` if the load was abandoned
+        (copy nothing)."""
+        with self._lock:
+            if self._state == self._ABANDONED:
+                return False
+            self._state = self._COPYING
+            return True
+
+    def abandon(self) -> bool:
+        """The engine gives up on the load: ``True`` if the job will never copy into the
+        pool; ``False`` if its copy has begun (wait for the job)."""
+        with self._lock:
+            if self._state == self._PENDING:
+                self._state = self._ABANDONED
+                return True
+            return self._state == self._ABANDONED
 
 
 class Buffers:

@@ -18,7 +18,7 @@ import torch
 
 from kvoffload.books import Books
 from kvoffload.config import TierConfig
-from kvoffload.datapath import DataPath, LayerProgress, Piece, groups
+from kvoffload.datapath import DataPath, LayerProgress, LoadGate, Piece, groups
 from kvoffload.exceptions import BackendError
 from kvoffload.keys import BlockKey
 from kvoffload.plans import Copy, LoadPlan, Prefetch, Write
@@ -273,10 +273,13 @@ class Jobs:
                 "tier %s: read of %d blocks failed; a miss", self.tiers[t].name, len(keys)
             )
             ok = None
+        seconds = time.perf_counter() - t0
         nbytes = sum(ok) * self.bpb if ok is not None else 0
-        self._books.count_read(t, time.perf_counter() - t0, nbytes)
+        self._books.count_read(t, seconds, nbytes)
         if t > 0:
-            self._books.health(t, ok is not None)
+            # A read slower than the load timeout failed whoever waited for it: it
+            # counts against the tier, so a hanging disk trips the breaker too.
+            self._books.health(t, ok is not None and seconds <= self._books.load_timeout_s)
         return ok
 
     def prefetch(self, p: Prefetch) -> int:
@@ -300,12 +303,15 @@ class Jobs:
         after: Any = None,
         *,
         layers: LayerProgress | None = None,
+        gate: LoadGate | None = None,
     ) -> int:
         """Job body: read the plan's lower-tier runs into one staging buffer (checking
         each block), then copy the valid prefix into the pool in one go: memory-tier
         runs straight from their rows, the rest from the buffer. With ``layers`` the
         copy goes layer by layer, reporting each (a layer-wise load); ``layers`` is
-        finished however the job ends, so nobody waits on it past the job."""
+        finished however the job ends, so nobody waits on it past the job. With
+        ``gate``, nothing is copied into the pool once the engine has abandoned the
+        load (it recomputes those blocks)."""
         n = plan.hits
         buf: torch.Tensor | None = None
         corrupt: dict[int, list[BlockKey]] = {}
@@ -339,6 +345,8 @@ class Jobs:
                 if bad:
                     corrupt.setdefault(run.tier, []).extend(bad)
                     break
+            if gate is not None and not gate.enter():
+                valid = 0  # abandoned: the engine recomputes these blocks meanwhile
             valid = self._copy_in(pool_ids, copies, valid, from_memory, after, layers=layers)
             if buf is not None:
                 handed_on = self._promote(plan, buf, valid, in_buf)

@@ -45,16 +45,18 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import replace
 from typing import Final
 
 from kvoffload.blockpool import BlockPool
 from kvoffload.books import Books
 from kvoffload.config import KVOffloadConfig, TierConfig
-from kvoffload.datapath import DataPath, LayerProgress
+from kvoffload.datapath import DataPath, LayerProgress, LoadGate
 from kvoffload.jobs import Jobs, ignore_result
 from kvoffload.keys import BlockKey
 from kvoffload.layout import KVLayout
 from kvoffload.manager import OffloadingEvent
+from kvoffload.metrics import tier_values
 from kvoffload.plans import LoadPlan as LoadPlan
 from kvoffload.plans import PrefetchStats as PrefetchStats
 from kvoffload.plans import TierStats as TierStats
@@ -105,6 +107,7 @@ class Offloader:
             bytes_per_block=self.bpb,
             persistent=[t.backend.persistent for t in self.tiers],
             prefetch_max_inflight=config.prefetch_max_inflight,
+            load_timeout_s=config.load_timeout_ms / 1e3,
             depth=lambda t: self._workers[t].pending("store"),
             discard=lambda t, slots: self.tiers[t].backend.discard(slots),
         )
@@ -164,6 +167,7 @@ class Offloader:
         pool_ids: Sequence[int],
         *,
         layers: LayerProgress | None = None,
+        gate: LoadGate | None = None,
     ) -> int | None:
         """Load ``plan`` into pool blocks ``pool_ids`` (one per planned key) on the load
         lane. The job's result counts the blocks actually loaded (``nbytes //
@@ -174,7 +178,11 @@ class Offloader:
         count): copy into the pool layer by layer, reporting each, so that the engine
         can read layer N while layer N+1 is copied; it is finished when the job ends,
         whatever happens. The result still says which blocks loaded: a layer reported
-        is no promise that its blocks are valid."""
+        is no promise that its blocks are valid.
+
+        ``gate`` (a :class:`~kvoffload.datapath.LoadGate`): lets the caller abandon the
+        load when it can wait no longer (``gate.abandon()``); the job then copies
+        nothing into the pool."""
         pool = self.pool
         if layers is not None and pool is not None and layers.num_layers != pool.num_layers:
             raise ValueError(
@@ -189,7 +197,7 @@ class Offloader:
         self._books.load_submitted(plan)
         after = self._data.mark()
         job = self._workers[0].submit_load(
-            lambda: self._jobs.load(plan, ids, now, after, layers=layers)
+            lambda: self._jobs.load(plan, ids, now, after, layers=layers, gate=gate)
         )
         if job is None:
             self._books.cancel_load(plan, submitted=True)
@@ -296,6 +304,16 @@ class Offloader:
             return [
                 f"{t.name}: {p}" for t in self.tiers for p in t.manager.check() + t.backend.check()
             ]
+
+    def counters(self) -> tuple[dict[str, dict[str, int | float]], PrefetchStats]:
+        """Every tier's counters (by tier name, see :func:`~kvoffload.metrics.tier_values`)
+        and the prefetch counters, as one consistent snapshot. The lane threads (and
+        the claims of a scheduler's thread) change them under the books' lock, several
+        fields per transaction, so they are read under it too: read field by field from
+        another thread (a stats poll), a snapshot could hold half a transaction."""
+        with self._books.lock:
+            tiers = {t.name: tier_values(t) for t in self.stats}
+            return tiers, replace(self.prefetch_stats)
 
     def take_events(self) -> list[tuple[Tier, OffloadingEvent]]:
         """Every tier's stored / removed records since the previous call, each with its

@@ -52,6 +52,9 @@ class PrefetchStats:
     ``corrupt_blocks``), unreadable, or no room in the first tier."""
     seconds: float = 0.0
     """Wall time of prefetch jobs, from start to verified landing."""
+    late: int = 0
+    """Claims that stopped waiting for their prefetches after ``load_timeout_ms``
+    and settled for the prefix already in the first tier."""
 
 
 @dataclass(slots=True)

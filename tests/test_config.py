@@ -43,7 +43,8 @@ BAD_CONFIGS = [
         (
             "colour",
             "unknown key",
-            "allowed keys: version, tiers, eviction, prefetch_max_inflight, stress",
+            "allowed keys: version, tiers, eviction, prefetch_max_inflight, "
+            "load_timeout_ms, stress",
         ),
         id="unknown-top-level-key",
     ),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,6 +16,8 @@ from test_offloader import BPB, LAYOUT, POOL, _content, _fill, _keys, _tiers
 
 from kvoffload.blockpool import BlockPool
 from kvoffload.config import load_config
+from kvoffload.datapath import LoadGate
+from kvoffload.keys import BlockKey
 from kvoffload.offloader import Offloader
 from kvoffload.testing import Faults, FaultyBackend
 from kvoffload.tier import build_tiers
@@ -132,4 +135,104 @@ def test_a_failing_tier_is_bypassed_then_probed_and_closed(tmp_path: Path) -> No
         assert disk.blocks_stored > before  # probed, closed, written
         assert loaded == asked
         assert disk.breaker_trips == 1
+        assert off.check() == []
+
+
+def _hanging(tmp: Path, tiers: list[dict[str, Any]]) -> tuple[Offloader, FaultyBackend]:
+    """``tiers`` with the last one wrapped; every read and write of it hangs 1 s while
+    :attr:`FaultyBackend.enabled` (off at first); ``load_timeout_ms`` 200."""
+    config = load_config({"tiers": tiers, "load_timeout_ms": 200}, env={})
+    built = build_tiers(config, LAYOUT)
+    faulty = FaultyBackend(built[-1].backend, Faults(hang=1.0, hang_s=1.0, seed=11))
+    faulty.enabled = False
+    built[-1].backend = faulty
+    pool = BlockPool.allocate(LAYOUT, POOL)
+    return Offloader(config, LAYOUT, pool, tiers=built), faulty
+
+
+def _store(off: Offloader, keys: list[BlockKey], ids: list[int]) -> None:
+    assert off.pool is not None
+    _fill(off.pool, keys, ids)
+    job = off.submit_store(keys, ids)
+    assert job is not None
+    (res,) = off.wait([job], timeout=30)
+    assert res.success
+    assert off.drain(timeout=30)
+
+
+def test_a_claim_stops_waiting_for_a_hanging_tier_after_the_load_timeout(tmp_path: Path) -> None:
+    """The request's prefix is only on a disk that hangs (1 s per call): the claim
+    settles after load_timeout_ms (200 ms) for what the first tier holds, the late
+    prefetch counts as a failure for the breaker, and it lands for the next request."""
+    cpu, disk = _tiers(tmp_path, cpu_blocks=8)[:2]
+    off, faulty = _hanging(tmp_path, [cpu, {**disk, "breaker_errors": 1}])
+    with off:
+        wanted, other = _keys(8, 1), _keys(8, 2)
+        _store(off, wanted, list(range(8)))
+        _store(off, other, list(range(8)))  # pushes `wanted` out of the 8-block cpu tier
+        assert off.lookup(wanted) == 8  # on the disk
+        faulty.enabled = True
+        t0 = time.monotonic()
+        plan = off.claim("r1", wanted)
+        assert plan is None  # prefetching, hanging
+        while plan is None:
+            time.sleep(0.01)
+            assert time.monotonic() - t0 < 0.9, "the claim waited for the hang"
+            plan = off.claim("r1", wanted)
+        waited = time.monotonic() - t0
+        assert 0.2 <= waited < 0.9
+        assert plan.hits == 0  # nothing of it up top yet: recompute
+        assert off.prefetch_stats.late == 1
+        off.unclaim(plan)
+        off.release("r1")
+        assert faulty.injected["hang"] >= 1
+        assert off.drain(timeout=30)  # the hung read ends, slower than the timeout
+        assert off.stats[1].breaker_trips == 1
+        faulty.enabled = False
+        # The late prefetch landed: a hit up top. It held 4 blocks (the budget: half
+        # the first tier); the rest would need the disk, which the breaker bypasses.
+        plan = off.claim("r2", wanted)
+        assert plan is not None
+        assert plan.hits == 4
+        off.unclaim(plan)
+        off.release("r2")
+        assert off.check() == []
+        assert off.pinned() == [0, 0]
+
+
+def test_an_abandoned_load_never_copies_into_the_engines_blocks(tmp_path: Path) -> None:
+    """A step's load from a disk first tier that hangs: the engine abandons it through
+    its gate after waiting; when the read finally returns, the job copies nothing into
+    the pool (the engine is recomputing those blocks) and reports nothing loaded."""
+    disk = _tiers(tmp_path, cpu_blocks=8)[1]
+    off, faulty = _hanging(tmp_path, [disk])
+    with off:
+        assert off.pool is not None
+        keys = _keys(8, 3)
+        _store(off, keys, list(range(8)))
+        faulty.enabled = True
+        ids = list(range(16, 24))
+        sentinel = torch.full((8, BPB), 7, dtype=torch.uint8)
+        off.pool.scatter(ids, sentinel)
+        plan = off.prepare_load(keys)
+        assert plan.hits == 8
+        gate = LoadGate()
+        job = off.submit_load(plan, ids, gate=gate)
+        assert job is not None
+        assert off.wait([job], timeout=0.2) == []  # still reading
+        assert gate.abandon()
+        assert not gate.enter()  # what the job will find
+        (res,) = off.wait([job], timeout=30)
+        assert res.nbytes == 0
+        assert torch.equal(off.pool.gather(ids), sentinel)  # untouched
+        faulty.enabled = False
+        plan = off.prepare_load(keys)  # the blocks are still held, and load normally
+        gate = LoadGate()
+        job = off.submit_load(plan, ids, gate=gate)
+        assert job is not None
+        (res,) = off.wait([job], timeout=30)
+        assert res.nbytes == 8 * BPB
+        assert not gate.abandon()  # the copy began: too late to abandon
+        got = off.pool.gather(ids)
+        assert all(torch.equal(got[i], _content(keys[i])) for i in range(8))
         assert off.check() == []

@@ -5,9 +5,9 @@ message is one line and names the file or variable); any other exception, or a
 multi-line message, fails the test. 1,000 generated cases per input kind.
 
 The CLI's side of the same promise (exit 2, one line, no traceback) is tested on
-hand-picked files in ``test_config.py``, ``test_maintenance.py`` and ``test_cli.py``;
-running 1,000 subprocesses per kind would take minutes, and the CLI maps exactly these
-exception types to exit 2.
+hand-picked files in ``test_config.py`` and ``test_maintenance.py``, and on 1,000
+generated hostile command lines (bad flags, values, paths and files among them) in
+``test_fuzz_cli.py``; the CLI maps exactly these exception types to exit 2.
 """
 
 from __future__ import annotations

@@ -131,7 +131,10 @@ def test_connector_stats_and_prometheus_carry_every_counter() -> None:
     shared = SimpleNamespace(
         lock=threading.Lock(),
         counters={},
-        offloader=SimpleNamespace(prefetch_stats=PrefetchStats(), stats=[stats]),
+        # Offloader.counters() as the real one builds it, from the sample tier's stats.
+        offloader=SimpleNamespace(
+            counters=lambda: ({stats.name: tier_values(stats)}, PrefetchStats())
+        ),
     )
     snapshot = _snapshot(shared)  # type: ignore[arg-type]
     tier_keys = {k: v for k, v in snapshot.items() if k.startswith("tier.")}

@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from kvoffload.exceptions import ConfigError
-from kvoffload.metrics import TIER_METRICS, tier_values
+from kvoffload.metrics import TIER_METRICS
 
 from .config import config_from_vllm
 
@@ -74,6 +74,8 @@ COUNTERS: Final[dict[str, str]] = {
     "layer_wait_seconds": "Seconds the attention layers waited for their layer of a "
     "layer-wise load (wait_for_layer_load).",
     "load_errors": "Engine blocks reported for recompute: failed, corrupt or lost loads.",
+    "load_timeouts": "Of the load errors, blocks whose load was abandoned after "
+    "load_timeout_ms (a slow or hanging tier).",
     "blocks_submitted_for_store": "Blocks handed to the tiers for storing.",
     "tokens_loaded": "Tokens loaded into the engine's KV cache (blocks loaded x block size).",
     "tokens_stored": "Tokens the engine's stores wrote into the first tier (blocks written "
@@ -88,6 +90,8 @@ COUNTERS: Final[dict[str, str]] = {
     "prefetch_failed": "Blocks a prefetch could not bring up (corrupt, unreadable, or no "
     "room in the cpu tier): the hit ended before them.",
     "prefetch_seconds": "Seconds spent in prefetch jobs.",
+    "prefetch_late": "Claims that stopped waiting for their prefetches after "
+    "load_timeout_ms and took the prefix already in the cpu tier.",
 }
 """Per-engine connector counters (:func:`connector_counters`; name: Prometheus help
 text); the tiers' own counters are in ``Offloader.stats`` (see :data:`TIER_STATS`).
@@ -102,6 +106,7 @@ PREFETCH_COUNTERS: Final[dict[str, str]] = {
     "prefetch_wasted": "wasted",
     "prefetch_failed": "failed",
     "prefetch_seconds": "seconds",
+    "prefetch_late": "late",
 }
 """The :data:`COUNTERS` read from the Offloader's ``PrefetchStats`` (by field name)."""
 PROM_PREFIX: Final = "vllm:kvoffload_"
@@ -113,15 +118,19 @@ TIER_PROM_PREFIX: Final = f"{PROM_PREFIX}tier_"
 
 def _snapshot(shared: _Shared) -> dict[str, int | float]:
     """One engine's counters now: :data:`COUNTERS`, and :data:`TIER_STATS` per tier as
-    ``tier.<name>.<counter>``."""
+    ``tier.<name>.<counter>``. Called from the worker's thread (its stats) and from
+    any reader's (:func:`~.shared.connector_counters`) while the books server's thread
+    and the Offloader's lanes count: each group is read under the lock it is counted
+    under (the connector's under ``shared.lock``, the tiers' and the prefetches' under
+    the Offloader's books lock, by ``Offloader.counters``), so each is consistent."""
     with shared.lock:
         counts: dict[str, int | float] = dict(shared.counters)
-    prefetch = shared.offloader.prefetch_stats
+    tiers, prefetch = shared.offloader.counters()
     for name, attr in PREFETCH_COUNTERS.items():
         counts[name] = getattr(prefetch, attr)
-    for t in shared.offloader.stats:
-        for name, value in tier_values(t).items():
-            counts[f"tier.{t.name}.{name}"] = value
+    for tier, values in tiers.items():
+        for name, value in values.items():
+            counts[f"tier.{tier}.{name}"] = value
     return counts
 
 

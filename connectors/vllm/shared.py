@@ -46,8 +46,13 @@ class _Shared:
     counters: dict[str, int | float] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
     server: _BooksServer | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
-    """Guards ``plans``, ``holds`` and ``counters``: the books server's thread and the
-    worker's thread both use them."""
+    """Guards ``plans``, ``holds`` and ``counters``, which these threads race on: the
+    scheduler side's questions (``lookup``, ``plan``, ``release``: the books server's
+    thread, or the engine core's thread in single-process mode) add holds and plans
+    and count; the worker's thread takes plans (``start_load_kv``) and counts; readers
+    in any thread (:func:`connector_counters`, :func:`connector_health`, the worker's
+    stats) read them. ``events`` is not guarded: only the worker's thread uses it. The
+    Offloader guards its own state (its books' lock)."""
 
     def ns(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
         """vLLM's block keys as this rank's tiers hold them."""
@@ -56,6 +61,13 @@ class _Shared:
     def bump(self, name: str, n: float = 1) -> None:
         with self.lock:
             self.counters[name] += n
+
+    def bump_many(self, **counts: float) -> None:
+        """Add to several counters at once: a reader in another thread sees all of them
+        or none (``blocks_loaded`` and ``tokens_loaded`` stay in step)."""
+        with self.lock:
+            for name, n in counts.items():
+                self.counters[name] += n
 
     # The scheduler side's three questions, answered here (in this process, or for a
     # scheduler in another process through _BooksServer).
@@ -127,8 +139,11 @@ def _registry_key(engine_id: str, rank: int) -> str:
 def connector_counters() -> dict[str, dict[str, int | float]]:
     """This process's connector counters per engine id (see :func:`_snapshot`): totals
     since the worker side started."""
-    with _REGISTRY_LOCK:
-        return {engine_id: _snapshot(shared) for engine_id, shared in _REGISTRY.items()}
+    with _REGISTRY_LOCK:  # engines register and close in other threads
+        engines = dict(_REGISTRY)
+    # Read outside the registry's lock: a snapshot waits for the engine's own locks,
+    # and the scheduler side takes the registry's lock every step.
+    return {engine_id: _snapshot(shared) for engine_id, shared in engines.items()}
 
 
 def connector_health() -> dict[str, dict[str, Any]]:

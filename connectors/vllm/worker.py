@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from kvoffload.blockpool import BlockPool
 from kvoffload.config import KVOffloadConfig
-from kvoffload.datapath import LayerProgress
+from kvoffload.datapath import LayerProgress, LoadGate
 from kvoffload.layout import KVLayout
 from kvoffload.offloader import Offloader
 
@@ -74,6 +74,11 @@ class TieredOffloadWorker:
         self._device: torch.device | None = None
         # Layer-wise loads submitted by start_load_kv and not yet collected, by job id.
         self._layer_loads: dict[int, tuple[_Load, LayerProgress]] = {}
+        # Every load job not yet collected: its gate (to abandon it when late), and the
+        # step's deadline (time.monotonic) for its loads.
+        self._gates: dict[int, LoadGate] = {}
+        self._load_timeout = config.load_timeout_ms / 1e3
+        self._deadline = 0.0
 
     def _registered(self) -> _Shared | None:
         """The worker side's state, ``None`` before ``register_kv_caches``. Read under
@@ -123,13 +128,15 @@ class TieredOffloadWorker:
         shared = self._shared()
         off = shared.offloader
         jobs: dict[int, _Load] = {}
+        self._deadline = time.monotonic() + self._load_timeout
         for load in meta.loads:
             with shared.lock:
                 plan = shared.plans.pop(load.plan_id)
             if load.hashes:  # promotions into the first tier are stores too
                 shared.events.remember(plan.keys, load.hashes[: plan.hits])
             layers = LayerProgress(self._num_layers) if self.layerwise else None
-            job = off.submit_load(plan, load.block_ids[: plan.hits], layers=layers)
+            gate = LoadGate()
+            job = off.submit_load(plan, load.block_ids[: plan.hits], layers=layers, gate=gate)
             if job is None:
                 self._load_errors.update(load.block_ids)
                 continue
@@ -137,10 +144,41 @@ class TieredOffloadWorker:
             # would be load errors too.
             self._load_errors.update(load.block_ids[plan.hits :])
             jobs[job] = load
+            self._gates[job] = gate
             if layers is not None:
                 self._layer_loads[job] = (load, layers)
         if not self.layerwise:
-            self._book_loads(shared, off.wait(list(jobs)), jobs, layerwise=False)
+            self._book_loads(shared, self._wait_loads(shared, jobs), jobs, layerwise=False)
+
+    def _wait_loads(self, shared: _Shared, jobs: dict[int, _Load]) -> list[Any]:
+        """Wait for the step's load jobs until the step's deadline (``load_timeout_ms``
+        after they were submitted); abandon those still reading by then: their blocks
+        become load errors, recomputed by vLLM. A job whose copy into the KV cache has
+        begun is waited for (a memory copy: bounded). Their results, if they come,
+        are dropped by :meth:`_collect`."""
+        off = shared.offloader
+        results = off.wait(list(jobs), max(0.0, self._deadline - time.monotonic()))
+        done = {r.job_id for r in results}
+        for job, load in jobs.items():
+            gate = self._gates.pop(job)
+            if job in done:
+                continue
+            if gate.abandon():
+                self._abandoned(shared, load)
+            else:
+                results.extend(off.wait([job]))
+        return list(results)
+
+    def _abandoned(self, shared: _Shared, load: _Load) -> None:
+        self._load_errors.update(load.block_ids)
+        shared.bump("load_timeouts", len(load.block_ids))
+        logger.warning(
+            "kvoffload: load of %d blocks for request %s not done after %.1f s "
+            "(load_timeout_ms); recomputing them",
+            len(load.block_ids),
+            load.req_id,
+            self._load_timeout,
+        )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Return once this step's layer-wise loads have layer ``layer_name`` in the KV
@@ -153,9 +191,16 @@ class TieredOffloadWorker:
         if self._device is not None and self._device.type == "cuda":
             stream = torch.cuda.current_stream(self._device)
         t0 = time.perf_counter()
-        for _, progress in self._layer_loads.values():
-            progress.wait(layer, stream)
-        self._shared().bump("layer_wait_seconds", time.perf_counter() - t0)
+        shared = self._shared()
+        for job, (load, progress) in list(self._layer_loads.items()):
+            if progress.wait(layer, stream, max(0.0, self._deadline - time.monotonic())):
+                continue
+            if self._gates[job].abandon():  # late, and nothing copied: recompute it
+                del self._layer_loads[job], self._gates[job]
+                self._abandoned(shared, load)
+            else:
+                progress.wait(layer, stream)  # its copy has begun: bounded
+        shared.bump("layer_wait_seconds", time.perf_counter() - t0)
 
     def _finish_layer_loads(self, shared: _Shared) -> None:
         """Wait for the step's layer-wise load jobs and book them: before their blocks'
@@ -166,7 +211,7 @@ class TieredOffloadWorker:
             return
         jobs = {job: load for job, (load, _) in self._layer_loads.items()}
         self._layer_loads = {}
-        self._book_loads(shared, shared.offloader.wait(list(jobs)), jobs, layerwise=True)
+        self._book_loads(shared, self._wait_loads(shared, jobs), jobs, layerwise=True)
 
     def _book_loads(
         self, shared: _Shared, results: list[Any], jobs: dict[int, _Load], *, layerwise: bool
@@ -177,12 +222,13 @@ class TieredOffloadWorker:
             load = jobs[result.job_id]
             loaded = result.nbytes // bpb if result.success else 0
             self._load_errors.update(load.block_ids[loaded:])
-            shared.bump("blocks_loaded", loaded)
-            shared.bump("tokens_loaded", loaded * self.block_size)
-            if layerwise:
-                shared.bump("blocks_loaded_layerwise", loaded)
-            if load.resumed:
-                shared.bump("blocks_loaded_after_preemption", loaded)
+            # One transaction: a stats reader in another thread sees them in step.
+            shared.bump_many(
+                blocks_loaded=loaded,
+                tokens_loaded=loaded * self.block_size,
+                blocks_loaded_layerwise=loaded if layerwise else 0,
+                blocks_loaded_after_preemption=loaded if load.resumed else 0,
+            )
 
     def wait_for_save(self, meta: KVConnectorMetadata) -> None:
         """Submit the stores of the blocks that became full this step; returns at once."""

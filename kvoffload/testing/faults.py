@@ -53,6 +53,8 @@ class Faults:
     hang: float = 0.0
     """The call first sleeps :attr:`hang_s` (a hang, past any sensible timeout)."""
     hang_s: float = 2.0
+    read_hang: float = 0.0
+    """``read`` first sleeps :attr:`hang_s` (a disk whose reads hang, its writes not)."""
     seed: int = 0
 
 
@@ -111,6 +113,8 @@ class FaultyBackend(Backend):
 
     def read(self, slots: Sequence[int], keys: Sequence[BlockKey], dst: torch.Tensor) -> list[bool]:
         self._delays()
+        if self._draw("read_hang", self.faults.read_hang):
+            time.sleep(self.faults.hang_s)
         if self._draw("read_error", self.faults.read_error):
             raise self._fail(errno.EIO, "read (injected)")
         return self.inner.read(slots, keys, dst)

@@ -9,8 +9,9 @@
   manager cost against vLLM's, gather/scatter against a plain copy;
 - ``kvoffload snapshot export|import``: move a tier's blocks through a safetensors file.
 
-Expected failures (bad config, broken plugin) print one line on stderr and exit 2,
-never a traceback.
+Expected failures (bad arguments, bad config, broken plugin) print one line on stderr
+and exit 2, never a traceback. Every flag is checked before any tier is opened or any
+run starts.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from kvoffload.config import LAYOUT_PRESETS, config_schema, load_config
 from kvoffload.exceptions import KVOffloadError
@@ -38,29 +39,55 @@ logger = logging.getLogger("kvoffload")
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+BENCH_ALIGN = 4096
+"""``bench --sizes`` must be multiples of this: O_DIRECT I/O of whole 4 KiB sectors."""
+
+
+def _one_line(text: str) -> str:
+    """``text`` with every unprintable character escaped (``\\n``, ``\\x1b``, ...): a
+    file name or argument holding a newline cannot split the error line."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with the project's one-line errors: no usage block, exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(
+            EXIT_USAGE,
+            f"{_one_line(self.prog)}: error: {_one_line(message)}; see '{self.prog} --help'\n",
+        )
+
+
+def _path(value: str) -> Path:
+    """A path argument: an empty one (``--config ""``) is refused by name, not read as
+    the current directory."""
+    if not value:
+        raise argparse.ArgumentTypeError("an empty string is not a path")
+    return Path(value)
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvoffload", description="Tiered KV-cache offloading.")
+    p = _Parser(prog="kvoffload", description="Tiered KV-cache offloading.")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
     sub = p.add_subparsers(dest="command", required=True)
 
     cfg = sub.add_parser("config", help="validate a config file or print its schema")
     cfg_sub = cfg.add_subparsers(dest="config_command", required=True)
     val = cfg_sub.add_parser("validate", help="check a YAML config; exit 2 if invalid")
-    val.add_argument("file", type=Path)
+    val.add_argument("file", type=_path)
     cfg_sub.add_parser("schema", help="print the config's JSON Schema")
 
     sub.add_parser("backends", help="list installed backends")
 
     st = sub.add_parser("stress", help="seeded offload stress run, every load verified")
     st.add_argument(
-        "--config", type=Path, default=None, help="YAML config (default: $KVOFFLOAD_CONFIG)"
+        "--config", type=_path, default=None, help="YAML config (default: $KVOFFLOAD_CONFIG)"
     )
     st.add_argument("--ops", type=int, default=None, help="requests to run (config: stress.ops)")
     st.add_argument("--duration", type=float, default=None, help="wall-time bound in seconds")
     st.add_argument("--seed", type=int, default=None, help="workload and data seed")
-    st.add_argument("--json", type=Path, default=None, help="write the report as JSON here")
+    st.add_argument("--json", type=_path, default=None, help="write the report as JSON here")
     st.add_argument("--no-progress", action="store_true", help="no progress bar")
     st.add_argument(
         "--workload",
@@ -68,7 +95,7 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="request stream (config: stress.workload)",
     )
-    st.add_argument("--trace", type=Path, default=None, help="replay a JSONL trace (Mooncake)")
+    st.add_argument("--trace", type=_path, default=None, help="replay a JSONL trace (Mooncake)")
     st.add_argument(
         "--concurrency", type=int, default=None, help="requests in flight (stress.concurrency)"
     )
@@ -80,25 +107,25 @@ def _parser() -> argparse.ArgumentParser:
     )
     st.add_argument(
         "--plot",
-        type=Path,
+        type=_path,
         default=None,
         help="PNG of throughput and hit rate over time (needs the 'plot' extra: matplotlib)",
     )
 
     ins = sub.add_parser("inspect", help="blocks, bytes, ages and fill of each tier")
-    ins.add_argument("--config", type=Path, default=None)
-    ins.add_argument("--json", type=Path, default=None)
+    ins.add_argument("--config", type=_path, default=None)
+    ins.add_argument("--json", type=_path, default=None)
 
     ver = sub.add_parser("verify", help="re-read every persisted block; exit 1 on corruption")
-    ver.add_argument("--config", type=Path, default=None)
+    ver.add_argument("--config", type=_path, default=None)
     ver.add_argument(
         "--repair", action="store_true", help="discard the corrupt blocks' records for good"
     )
-    ver.add_argument("--json", type=Path, default=None)
+    ver.add_argument("--json", type=_path, default=None)
 
     bench = sub.add_parser("bench", help="tier throughput vs raw O_DIRECT and vLLM's fs tier")
-    bench.add_argument("--config", type=Path, default=None)
-    bench.add_argument("--json", type=Path, default=None)
+    bench.add_argument("--config", type=_path, default=None)
+    bench.add_argument("--json", type=_path, default=None)
     bench.add_argument("--total", default="512MiB", help="bytes moved per measurement")
     bench.add_argument("--reps", type=int, default=3, help="tries per measurement; best kept")
     bench.add_argument(
@@ -108,30 +135,32 @@ def _parser() -> argparse.ArgumentParser:
         "--skip-disk", action="store_true", help="only the manager and cpu parts, no disk tier"
     )
     bench.add_argument(
-        "--trace", type=Path, default=None, help="JSONL trace (Mooncake) for the manager part"
+        "--trace", type=_path, default=None, help="JSONL trace (Mooncake) for the manager part"
     )
 
     snap = sub.add_parser("snapshot", help="export or import a tier as safetensors")
     snap_sub = snap.add_subparsers(dest="snapshot_command", required=True)
     exp = snap_sub.add_parser("export", help="write a tier's blocks to a safetensors file")
-    exp.add_argument("--config", type=Path, default=None)
-    exp.add_argument("out", type=Path)
+    exp.add_argument("--config", type=_path, default=None)
+    exp.add_argument("out", type=_path)
     exp.add_argument("--tier", default=None, help="tier name (default: first persistent tier)")
     imp = snap_sub.add_parser("import", help="pre-warm a tier from a safetensors file")
-    imp.add_argument("--config", type=Path, default=None)
-    imp.add_argument("src", type=Path)
+    imp.add_argument("--config", type=_path, default=None)
+    imp.add_argument("src", type=_path)
     imp.add_argument("--tier", default=None, help="tier name (default: first persistent tier)")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    level = {0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG)
-    logging.basicConfig(
-        level=os.environ.get("KVOFFLOAD_LOG_LEVEL", logging.getLevelName(level)),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    parser = _parser()
+    args, extras = parser.parse_known_args(argv)
+    if extras:  # quoted, so an empty or blank argument is seen
+        parser.error(f"unrecognized arguments: {' '.join(map(repr, extras))}")
     try:
+        logging.basicConfig(
+            level=_log_level(args.verbose),
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
         if args.command == "config":
             return _config(args)
         if args.command == "backends":
@@ -143,9 +172,45 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command in ("inspect", "verify", "snapshot"):
             return _maintenance(args)
     except KVOffloadError as exc:
-        print(f"kvoffload: error: {exc}", file=sys.stderr)
+        print(f"kvoffload: error: {_one_line(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
     raise AssertionError(f"unhandled command {args.command}")
+
+
+def _log_level(verbose: int) -> int:
+    """``$KVOFFLOAD_LOG_LEVEL`` (a level name, any case), else from ``-v``."""
+    name = os.environ.get("KVOFFLOAD_LOG_LEVEL")
+    if name is None:
+        return {0: logging.WARNING, 1: logging.INFO}.get(verbose, logging.DEBUG)
+    levels = logging.getLevelNamesMapping()
+    level = levels.get(name.strip().upper())
+    if level is None:
+        raise _usage(
+            f"KVOFFLOAD_LOG_LEVEL = {name!r}: not a logging level; "
+            "use DEBUG, INFO, WARNING or ERROR (or unset it)"
+        )
+    return level
+
+
+def _check_output(flag: str, path: Path | None) -> None:
+    """Refuse an output path that cannot be a file before any work starts, not after a
+    run of minutes: an existing directory, or one whose nearest existing ancestor is
+    not a directory."""
+    if path is None:
+        return
+    try:
+        if path.is_dir():
+            raise _usage(f"{flag} {path}: is a directory; give the path of a file")
+        parent = next((d for d in path.parents if d.exists()), None)
+    except OSError as exc:
+        raise _usage(f"{flag} {path}: cannot be written: {exc.strerror or exc}") from None
+    if parent is not None and not parent.is_dir():
+        raise _usage(f"{flag} {path}: {parent} is not a directory; give the path of a file")
+
+
+def _check_positive(flag: str, value: float | None) -> None:
+    if value is not None and not value > 0:  # NaN too: it is not > 0
+        raise _usage(f"{flag} = {value}: it must be greater than zero")
 
 
 def _config(args: argparse.Namespace) -> int:
@@ -172,31 +237,48 @@ def _stress(args: argparse.Namespace) -> int:
 
     from kvoffload.tools.stress import StressRunner
 
+    _check_positive("--ops", args.ops)
+    _check_positive("--duration", args.duration)
+    if args.concurrency is not None and args.concurrency < 1:
+        raise _usage(f"--concurrency = {args.concurrency}: it must be at least 1")
+    if args.trace is not None and args.workload not in (None, "trace"):
+        raise _usage(
+            f"--trace {args.trace} with --workload {args.workload}: the trace would be "
+            "ignored; drop one, or pass --workload trace"
+        )
+    _check_output("--json", args.json)
+    _check_output("--plot", args.plot)
     config = load_config(args.config)
     overrides: dict[str, Any] = {}
+    flags: list[str] = []
     if args.workload is not None or args.trace is not None:
         overrides["workload"] = args.workload or "trace"
+        if args.workload is not None:
+            flags.append(f"--workload {args.workload}")
         if args.trace is not None:
             overrides["trace"] = str(args.trace)
+            flags.append(f"--trace {args.trace}")
     if args.concurrency is not None:
-        if args.concurrency < 1:
-            raise _usage(f"--concurrency = {args.concurrency}: it must be at least 1")
         overrides["concurrency"] = args.concurrency
+        flags.append(f"--concurrency {args.concurrency}")
     if args.preset is not None:
         overrides["preset"] = args.preset
+        flags.append(f"--preset {args.preset}")
     if overrides:
         stress = config.stress.model_dump(exclude_unset=True)
         if "preset" in overrides:
             stress.pop("layout", None)  # the flag names the whole layout
-        config = load_config({**config.model_dump(), "stress": {**stress, **overrides}}, env={})
+        raw = {**config.model_dump(), "stress": {**stress, **overrides}}
+        try:
+            config = load_config(raw, env={})
+        except KVOffloadError as exc:  # name the flags, not the "<dict>" they went into
+            raise _usage(f"{' '.join(flags)}: {str(exc).removeprefix('<dict>: ')}") from None
     if args.plot is not None:
         from kvoffload.tools.plot import require_matplotlib
 
         require_matplotlib()
     ops = args.ops if args.ops is not None else config.stress.ops
     duration = args.duration if args.duration is not None else config.stress.duration_s
-    if ops <= 0 or duration <= 0:
-        raise _usage(f"--ops and --duration must be positive, got {ops} and {duration}")
     console = Console()
     if not console.is_terminal:
         console = Console(width=200)  # logs and CI: do not squeeze the table to 80 columns
@@ -241,6 +323,9 @@ def _stress(args: argparse.Namespace) -> int:
 def _maintenance(args: argparse.Namespace) -> int:
     from kvoffload.tools import maintenance
 
+    _check_output("--json", getattr(args, "json", None))
+    if args.command == "snapshot" and args.snapshot_command == "export":
+        _check_output("snapshot export OUT", args.out)
     config = load_config(args.config)
     if args.command == "inspect":
         report: dict[str, object] = dict(maintenance.inspect_tiers(config))
@@ -283,13 +368,40 @@ def _maintenance(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from kvoffload.sizes import parse_size
     from kvoffload.tools.bench import run_bench
+    from kvoffload.tools.bench_manager import load_trace
 
-    config = load_config(args.config)
+    if args.reps < 1:
+        raise _usage(f"--reps = {args.reps}: it must be at least 1")
+    sizes = []
+    for size in args.sizes.split(","):
+        try:
+            sizes.append(parse_size(size))
+        except ValueError as exc:
+            raise _usage(f"--sizes {args.sizes!r}: {size!r}: {exc}") from None
+        if sizes[-1] % BENCH_ALIGN:
+            raise _usage(
+                f"--sizes {args.sizes!r}: {size!r} is not a multiple of 4KiB "
+                "(O_DIRECT I/O moves whole 4 KiB sectors)"
+            )
     try:
-        sizes = [parse_size(s) for s in args.sizes.split(",")]
         total = parse_size(args.total)
     except ValueError as exc:
-        raise _usage(f"--sizes/--total: {exc}") from None
+        raise _usage(f"--total {args.total!r}: {exc}") from None
+    if total < max(sizes):
+        raise _usage(
+            f"--total {args.total!r} is less than the largest of --sizes {args.sizes!r}; "
+            "give at least one block of each size"
+        )
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if 2 * total > memory:
+        raise _usage(
+            f"--total {args.total!r}: a measurement holds it twice in memory (written and "
+            f"read back), more than this machine's {memory} bytes; give a smaller --total"
+        )
+    _check_output("--json", args.json)
+    config = load_config(args.config)
+    if args.trace is not None:
+        load_trace(args.trace)  # a bad line fails now, not after the parts before it
     report = run_bench(
         config,
         sizes=sizes,

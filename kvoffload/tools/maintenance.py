@@ -202,8 +202,9 @@ def export_snapshot(config: KVOffloadConfig, out: Path, tier_name: str | None = 
             for i, key in enumerate(keys):
                 key_bytes[i, : len(key)] = torch.frombuffer(bytearray(key), dtype=torch.uint8)
                 key_lens[i] = len(key)
-            f.write(byte_view(key_bytes))
-            f.write(byte_view(key_lens))
+            if keys:  # an empty tier: empty tensors, no bytes (and no view of nothing)
+                f.write(byte_view(key_bytes))
+                f.write(byte_view(key_lens))
             header = _header_json(len(keys), bpb, meta)
             f.seek(0)
             f.write(struct.pack("<Q", reserve) + header.ljust(reserve, b" "))

@@ -372,6 +372,86 @@ def test_cpu_tier_read_error_at_load(tmp_path: Path, reference: list[list[int]])
             assert got["tokens"] == want
 
 
+# ----------------------------------------------------------------- faults (issue 13)
+def _faulty_tiers(path: Path, *, cpu: bool = True, **faults: Any) -> dict[str, Any]:
+    """cpu -> ``faultymmap`` (the test plugin's mmap tier with ``faults`` injected), or
+    the faulty disk tier alone; the breaker off unless ``faults`` sets it, so that
+    every fault reaches the stack."""
+    conf = _tiers("faultymmap", path, **{"breaker_errors": 0, **faults})["config"]
+    if not cpu:
+        conf["tiers"] = conf["tiers"][1:]
+    return {"config": conf}
+
+
+@pytest.mark.slow
+def test_disk_faults_and_hangs_never_fail_a_request(
+    tmp_path: Path, reference: list[list[int]]
+) -> None:
+    """Real engines over one disk tier with faults injected (``faultymmap``), one after
+    the other, each starting with an empty cpu tier so its hits come from the disk:
+
+    1. stores under write faults (EIO, ENOSPC, short writes, latency spikes);
+    2. loads under read faults (EIO, latency spikes);
+    3. every disk read hangs 3 s, ``load_timeout_ms`` 300: each claim stops waiting
+       and takes the shorter hit;
+    4. the same hang with the disk as the only tier, so the engine step's own load
+       reads it: the load is abandoned and its blocks recomputed.
+
+    Every run: no failed request, outputs equal to the reference, the faults counted
+    where they hit. Runs 3 and 4 must finish well inside the hangs they would add
+    up to if a step waited for them."""
+    disk = tmp_path / "disk"
+    write_faults = {"write_error": 0.2, "enospc": 0.1, "short_write": 0.2, "slow": 0.2}
+    hang = {"read_hang": 1.0, "hang_s": 3.0}
+    engines = [
+        {"kvoffload": _faulty_tiers(disk, **write_faults, seed=1)},
+        {"kvoffload": _faulty_tiers(disk, read_error=0.3, slow=0.3, seed=2)},
+        {"kvoffload": _faulty_tiers(disk, **hang)},
+        {"kvoffload": _faulty_tiers(disk, cpu=False, **hang)},
+    ]
+    for e in engines[2:]:
+        e["kvoffload"]["config"]["load_timeout_ms"] = 300
+    t0 = time.monotonic()
+    results = _run(
+        tmp_path,
+        single_process=True,
+        rounds=[BATCH],
+        failure_policy="recompute",
+        engines=engines,
+    )
+    seconds = time.monotonic() - t0
+    counts = [
+        {
+            k: r["kvoffload"].get(k)
+            for k in (
+                "blocks_loaded",
+                "load_errors",
+                "load_timeouts",
+                "prefetched_blocks",
+                "prefetch_failed",
+                "prefetch_late",
+                "tier.disk.store_errors",
+                "tier.disk.blocks_stored",
+            )
+        }
+        for r in results
+    ]
+    report = "\n".join(f"engine {i + 1}: {c}" for i, c in enumerate(counts))
+    report += f"\n4 engines in {seconds:.0f} s"
+    print(report)
+    for i, result in enumerate(results):
+        assert result["failed"] == 0, f"engine {i + 1}: {_failures(result)}\n{report}"
+        assert _outputs(result) == reference, f"engine {i + 1}\n{report}"
+    stored, read, hung, first = counts
+    assert stored["tier.disk.store_errors"] > 0, report  # the write faults hit
+    assert stored["tier.disk.blocks_stored"] > 0, report  # and some stores got through
+    assert read["prefetched_blocks"] + read["prefetch_failed"] > 0, report
+    assert hung["prefetch_late"] > 0, report
+    assert hung["blocks_loaded"] == 0, report  # nothing came up in time: all recomputed
+    assert first["load_timeouts"] > 0, report
+    assert first["load_errors"] >= first["load_timeouts"], report
+
+
 # ----------------------------------------------------------------- kill -9
 def _group_alive(pgid: int) -> bool:
     """Whether any process of group ``pgid`` is still running (zombies excepted)."""

@@ -2,7 +2,9 @@
 
 - ``memdict``: blocks kept as ``bytes`` in a dict;
 - ``flakycpu``: the built-in cpu tier, with read failures injected on purpose (an I/O
-  error where the engine loads from), for the end-to-end tests of the late load path.
+  error where the engine loads from), for the end-to-end tests of the late load path;
+- ``faultymmap``: the built-in mmap tier inside :class:`kvoffload.testing.FaultyBackend`,
+  its faults set in the tier's config, for the end-to-end tests under disk faults.
 """
 
 from __future__ import annotations
@@ -13,13 +15,15 @@ from typing import Literal
 
 import torch
 from kvoffload.backends.cpu import CPUBackend
+from kvoffload.backends.mmap import MmapBackend
 from pydantic import Field
 
 from kvoffload.backend import Backend
-from kvoffload.config import CPUTierConfig, TierConfig
+from kvoffload.config import CPUTierConfig, MmapTierConfig, TierConfig
 from kvoffload.exceptions import BackendError
 from kvoffload.keys import BlockKey
 from kvoffload.layout import KVLayout
+from kvoffload.testing import Faults, FaultyBackend
 
 
 class DictTierConfig(TierConfig):
@@ -103,3 +107,33 @@ class FlakyCPUBackend(CPUBackend):
 
     def rows(self, start: int, n: int) -> torch.Tensor | None:
         return None
+
+
+class FaultyMmapTierConfig(MmapTierConfig):
+    """The mmap tier's settings, plus the faults injected into its reads and writes
+    (probabilities per call; see :class:`kvoffload.testing.Faults`)."""
+
+    backend: Literal["faultymmap"] = "faultymmap"  # type: ignore[assignment]
+    """Selects this backend."""
+    read_error: float = Field(default=0.0, ge=0, le=1)
+    write_error: float = Field(default=0.0, ge=0, le=1)
+    enospc: float = Field(default=0.0, ge=0, le=1)
+    short_write: float = Field(default=0.0, ge=0, le=1)
+    slow: float = Field(default=0.0, ge=0, le=1)
+    slow_s: float = Field(default=0.05, ge=0)
+    hang: float = Field(default=0.0, ge=0, le=1)
+    read_hang: float = Field(default=0.0, ge=0, le=1)
+    hang_s: float = Field(default=2.0, ge=0)
+    seed: int = 0
+
+
+class FaultyMmapBackend(FaultyBackend):
+    """A real :class:`MmapBackend` with the configured faults injected."""
+
+    config_model = FaultyMmapTierConfig
+
+    def __init__(self, config: TierConfig, layout: KVLayout) -> None:
+        assert isinstance(config, FaultyMmapTierConfig)
+        names = Faults.__dataclass_fields__
+        faults = Faults(**{k: getattr(config, k) for k in names})
+        super().__init__(MmapBackend(config, layout), faults)
