@@ -40,6 +40,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -55,7 +56,7 @@ from kvoffload.connectors.vllm import (
     connector_counters,
     connector_health,
 )
-from kvoffload.connectors.vllm.books import _RemoteBooks
+from kvoffload.connectors.vllm.books import _BooksServer, _RemoteBooks
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -561,3 +562,21 @@ def test_both_roles_books_and_readers_at_once_stay_exact_and_consistent(
             for c in run.remote.conns:
                 c.close()
         run.worker.shutdown()
+
+
+@pytest.mark.parametrize("connected", [False, True])
+def test_the_books_server_thread_ends_when_closed(connected: bool) -> None:
+    """Closing the books server stops its thread, whether it waits for a scheduler
+    (``accept``) or serves one that is still connected (``recv``): a thread left
+    blocked would keep the closed Offloader, and the KV cache behind it, alive."""
+    engine_id = f"close-{uuid.uuid4().hex[:8]}"
+    server = _BooksServer(SimpleNamespace(answer=lambda op, arg: 7), engine_id, 0)  # type: ignore[arg-type]
+    remote = None
+    if connected:
+        remote = _RemoteBooks(engine_id, 1)
+        assert remote.lookup("r", []) == 7  # the server thread now waits in recv
+    server.close()
+    assert not server.thread.is_alive()
+    if remote is not None:
+        for conn in remote.conns:
+            conn.close()

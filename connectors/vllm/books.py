@@ -14,6 +14,8 @@ protocol: the server and the client must change together.
 from __future__ import annotations
 
 import hashlib
+import os
+import socket
 import tempfile
 import threading
 import time
@@ -48,15 +50,18 @@ class _BooksServer:
         Path(self.address).unlink(missing_ok=True)
         self.listener = Listener(self.address, family="AF_UNIX", authkey=_authkey(engine_id))
         self.shared = shared
+        self._closed = False
+        self._conn: Any = None  # the scheduler's connection being served
         self.thread = threading.Thread(target=self._serve, name="kvoffload-books", daemon=True)
         self.thread.start()
 
     def _serve(self) -> None:
-        while True:
+        while not self._closed:
             try:
                 conn = self.listener.accept()
             except OSError:
                 return  # closed
+            self._conn = conn
             with conn:
                 while True:
                     try:
@@ -70,8 +75,25 @@ class _BooksServer:
                     conn.send(answer)
 
     def close(self) -> None:
+        """Stop the thread. Closing a socket does not wake a thread blocked in
+        ``accept`` or ``recv`` on it (Linux), and a thread left blocked would keep the
+        closed Offloader, and through it the engine's KV cache, alive: shut the sockets
+        down first, which wakes both."""
+        self._closed = True
+        socks = [getattr(getattr(self.listener, "_listener", None), "_socket", None)]
+        if self._conn is not None and not self._conn.closed:
+            socks.append(self._conn)
+        for sock in socks:
+            if sock is None:
+                continue
+            try:
+                with socket.socket(fileno=os.dup(sock.fileno())) as dup:
+                    dup.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already closed or never connected
         self.listener.close()
         Path(self.address).unlink(missing_ok=True)
+        self.thread.join(timeout=5)
 
 
 class _RemoteBooks:
