@@ -85,6 +85,7 @@ _MAX_READERS: Final = 512
 _MAP_HEADROOM: Final = 64 * 1024**2
 _NODE_HEADER: Final = 8  # LMDB leaf node header, before key and value
 _PAGE_HEADER: Final = 16  # LMDB page header, also in front of overflow runs
+_RESERVE_SLACK_PAGES: Final = 32  # the main database's path and the meta updates, at commit
 
 _T = TypeVar("_T")
 
@@ -119,6 +120,13 @@ class _Handles:
     writer: ThreadPoolExecutor | None
     """The one thread that runs write transactions; ``None`` when read-only."""
     pid: int
+    data_fd: int | None = None
+    """The writer's own descriptor of ``data.mdb``, to reserve pages (:func:`_reserve`)."""
+    reserved: int = 0
+    """Bytes from the start of ``data.mdb`` known to be backed by disk blocks."""
+    lock_fd: int | None = None
+    """The writer's own descriptor of ``lock.mdb``; closed only after the environment,
+    as closing it drops LMDB's POSIX locks on the file."""
 
 
 class LmdbBackend(Backend):
@@ -284,17 +292,26 @@ class LmdbBackend(Backend):
             raise BackendError(
                 f"tier {self.name!r}: cannot open LMDB environment at {self.path}{hint}: {exc}"
             ) from exc
-        writer = None
+        handles = _Handles(env, None, None, pid)
         try:
             if self.readonly:
-                blocks = _open_existing_db(env, BLOCKS_DB)
+                handles.blocks = _open_existing_db(env, BLOCKS_DB)
             else:
-                writer = ThreadPoolExecutor(1, thread_name_prefix=f"kvoffload-lmdb-{self.name}")
-                blocks = writer.submit(self._init_dbs, env).result()
+                handles.writer = ThreadPoolExecutor(
+                    1, thread_name_prefix=f"kvoffload-lmdb-{self.name}"
+                )
+                handles.data_fd = os.open(self.path / "data.mdb", os.O_RDWR | os.O_CLOEXEC)
+                # The reader table is mapped too, and sparse: a reader taking a slot on
+                # a page not yet backed would be a SIGBUS on a full disk (see _reserve).
+                # The descriptor stays open until the environment is closed: closing any
+                # descriptor of lock.mdb drops every POSIX lock this process holds on it,
+                # LMDB's included, and another process would then reset the lock table
+                # under a running writer (MDB_CORRUPTED, records lost or left behind).
+                handles.lock_fd = os.open(self.path / "lock.mdb", os.O_RDWR | os.O_CLOEXEC)
+                os.posix_fallocate(handles.lock_fd, 0, os.fstat(handles.lock_fd).st_size)
+                handles.blocks = handles.writer.submit(self._init_dbs, handles).result()
         except BaseException as exc:
-            if writer is not None:
-                writer.shutdown(wait=True)
-            env.close()
+            _close_handles(handles)
             if isinstance(exc, lmdb.Error | OSError):
                 raise BackendError(f"tier {self.name!r}: cannot set up {self.path}: {exc}") from exc
             raise
@@ -308,12 +325,14 @@ class LmdbBackend(Backend):
             format_size(env.info()["map_size"]),
             " (reopened after fork)" if after_fork else "",
         )
-        return _Handles(env, blocks, writer, pid)
+        return handles
 
-    def _init_dbs(self, env: lmdb.Environment) -> lmdb._Database:
+    def _init_dbs(self, handles: _Handles) -> lmdb._Database:
         """On the writer thread: create the databases and record the layout."""
+        env = handles.env
         # A reader that died mid-transaction pins old pages until its slot is cleared.
         env.reader_check()
+        _reserve(handles, puts=3, value_bytes=4096)  # two database records, the layout
         blocks = env.open_db(BLOCKS_DB)
         meta = env.open_db(META_DB)
         fp = self.layout.fingerprint
@@ -410,7 +429,9 @@ class LmdbBackend(Backend):
         for buf in bufs:
             free.put(buf)
         feed: queue.SimpleQueue[tuple[int, int, np.ndarray[Any, Any]] | None] = queue.SimpleQueue()
-        fut = handles.writer.submit(lambda: self._put_batch(handles, _fed(feed, free, slots, keys)))
+        fut = handles.writer.submit(
+            lambda: self._put_batch(handles, _fed(feed, free, slots, keys), n, value_bytes)
+        )
         now = time.time()
         try:
             for lo in range(0, n, per_chunk):
@@ -471,8 +492,15 @@ class LmdbBackend(Backend):
         with self._stats_lock:
             self._spare = (self._spare + bufs)[:PACK_BUFFERS]
 
-    def _put_batch(self, handles: _Handles, items: Iterable[tuple[int, bytes, memoryview]]) -> None:
-        """On the writer thread: one transaction replacing what the slots held."""
+    def _put_batch(
+        self,
+        handles: _Handles,
+        items: Iterable[tuple[int, bytes, memoryview]],
+        count: int,
+        value_bytes: int,
+    ) -> None:
+        """On the writer thread: one transaction replacing what the slots held, with
+        ``count`` values of ``value_bytes``."""
         slot_key, key_slot = self._slot_key, self._key_slot
         # Old values of the map entries changed, restored if the transaction fails.
         saved_slots: dict[int, bytes | None] = {}
@@ -491,6 +519,8 @@ class LmdbBackend(Backend):
 
         with self._maps_lock:
             try:
+                # Each put may delete the record its slot held.
+                _reserve(handles, puts=count, deletes=count, value_bytes=value_bytes)
                 with handles.env.begin(db=handles.blocks, write=True) as txn:
                     for slot, key, value in items:
                         old = slot_key[slot]
@@ -743,9 +773,7 @@ class LmdbBackend(Backend):
         if handles.pid != os.getpid():
             _close_inherited(handles)
             return
-        if handles.writer is not None:
-            handles.writer.shutdown(wait=True)
-        handles.env.close()
+        _close_handles(handles)
 
 
 def _fed(
@@ -782,9 +810,68 @@ def _next_free(
 
 def _delete_keys(handles: _Handles, keys: Sequence[bytes]) -> None:
     """On the writer thread: delete records in one transaction (missing ones are fine)."""
+    _reserve(handles, deletes=len(keys))
     with handles.env.begin(db=handles.blocks, write=True) as txn:
         for key in keys:
             txn.delete(key)
+
+
+def _reserve(handles: _Handles, *, puts: int = 0, deletes: int = 0, value_bytes: int = 0) -> None:
+    """On the writer thread, before a write transaction: back with disk blocks every
+    page the transaction may add to ``data.mdb``, or raise ``OSError`` (ENOSPC).
+
+    With ``writemap`` LMDB sizes its file to the whole map, sparse, and writes pages in
+    place through the shared mapping: a page the filesystem cannot back when first
+    written is a SIGBUS, which kills the process (seen on a full tmpfs). Reserved here
+    with ``posix_fallocate``, a full disk is an error before the transaction begins, and
+    the store fails cleanly, counted like any other failed write.
+
+    Pages up to ``last_pgno`` have all been written once, so are backed; freed ones are
+    reused from there. A transaction adds pages past it only for pages it dirties, at
+    most: the tree pages it copies on write (a root-to-leaf path per put, two per delete
+    for the sibling a merge touches, one level more for a root split; never more than
+    the tree has), each put's new
+    pages (its value's overflow run and a split per level), and the free list saved at
+    commit (8 bytes per page of the file and of the transaction, twice over). A bound,
+    so on a nearly full disk a store may fail a little before the last page is used."""
+    if handles.data_fd is None:
+        return
+    env = handles.env
+    info = env.info()
+    if handles.blocks is None:
+        stat = env.stat()
+    else:
+        with env.begin() as txn:
+            stat = txn.stat(handles.blocks)
+    page = stat["psize"]
+    depth = stat["depth"] + 1
+    paths = (puts + 2 * deletes) * depth
+    tree = min(paths, stat["branch_pages"] + stat["leaf_pages"] + 1)
+    fresh = puts * (-(-(value_bytes + _PAGE_HEADER) // page) + depth)
+    used = info["last_pgno"] + 1
+    free_list = 2 * (8 * (used + tree + fresh) // page + 1)
+    pages = used + tree + fresh + free_list + _RESERVE_SLACK_PAGES
+    want = min(info["map_size"], pages * page)
+    start = max(handles.reserved, used * page)
+    if want > start:
+        try:
+            os.posix_fallocate(handles.data_fd, start, want - start)
+        except OSError as exc:
+            raise OSError(
+                exc.errno, f"cannot reserve {want - start} bytes for the write: {exc.strerror}"
+            ) from None
+        handles.reserved = want
+
+
+def _close_handles(handles: _Handles) -> None:
+    """Finish queued writes, then close the environment and the reserving descriptor."""
+    if handles.writer is not None:
+        handles.writer.shutdown(wait=True)
+    handles.env.close()
+    for fd in (handles.data_fd, handles.lock_fd):
+        if fd is not None:
+            os.close(fd)
+    handles.data_fd = handles.lock_fd = None
 
 
 def _open_existing_db(env: lmdb.Environment, name: bytes) -> lmdb._Database | None:
@@ -809,6 +896,10 @@ def _close_inherited(handles: _Handles) -> None:
     not exist here; its executor is dropped, not joined.
     """
     handles.env.close()
+    for fd in (handles.data_fd, handles.lock_fd):  # the child's copies of the descriptors
+        if fd is not None:
+            os.close(fd)
+    handles.data_fd = handles.lock_fd = None
 
 
 def _layout_from_meta(raw: bytes, path: Path) -> KVLayout:

@@ -137,3 +137,7 @@ class FaultyMmapBackend(FaultyBackend):
         names = Faults.__dataclass_fields__
         faults = Faults(**{k: getattr(config, k) for k in names})
         super().__init__(MmapBackend(config, layout), faults)
+
+    @classmethod
+    def slot_bytes(cls, layout: KVLayout) -> int:
+        return MmapBackend.slot_bytes(layout)
