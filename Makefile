@@ -13,7 +13,7 @@ EDITABLE := --config-settings editable_mode=strict
 # its stale entry points would shadow the installed metadata, so it goes after each install.
 CLEAN_EGG := rm -rf kvoffload.egg-info
 
-.PHONY: demo test lint typecheck pytest install dev clean
+.PHONY: demo test lint typecheck pytest install dev clean redis-server
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -55,7 +55,15 @@ typecheck: dev
 	@# Run from outside the checkout so mypy sees the installed tree, not ./kvoffload.
 	cd build && ../$(VENV)/bin/mypy --config-file ../pyproject.toml -p kvoffload
 
-pytest: dev
+# The redis tier's tests run real servers: Debian's redis-server, installed when missing.
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y -q redis-server >/dev/null 2>&1 || \
+	  { apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null; }; }
+	@command -v redis-server >/dev/null || { echo "redis-server missing: apt-get install redis-server" >&2; exit 1; }
+
+pytest: dev redis-server
 	$(VENV)/bin/pytest
 
 test: lint typecheck pytest

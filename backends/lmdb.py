@@ -59,6 +59,7 @@ from kvoffload.record import (
     build_headers,
     header_key,
     header_matches,
+    key_bytes,
     payload_checksum,
     unpack_header,
 )
@@ -384,13 +385,7 @@ class LmdbBackend(Backend):
             )
         if not slots:
             return
-        key_list = [bytes(k) for k in keys]
-        for key in key_list:
-            if not 0 < len(key) <= MAX_KEY_BYTES:
-                raise BackendError(
-                    f"tier {self.name!r}: block keys must be 1..{MAX_KEY_BYTES} bytes, "
-                    f"got {len(key)}"
-                )
+        key_list = key_bytes(self.name, keys)
         rows = (src if src.device.type == "cpu" else src.to("cpu")).numpy()
         slot_list = list(slots)
         try:

@@ -45,6 +45,12 @@ class Backend(ABC):
     """Pydantic model of this backend's tier settings (the shared fields plus its own)."""
     persistent: ClassVar[bool] = False
     """Whether contents survive the process (and :meth:`recover` may return blocks)."""
+    server_booked: ClassVar[bool] = False
+    """Whether the medium keeps the books itself: a shared server that several engines
+    write and that evicts on its own. The tier then gets a
+    :class:`~kvoffload.server_manager.ServerBookedManager`, which asks :meth:`exists`
+    at each lookup, instead of a local LRU; slots are nominal and values are
+    addressed by key."""
 
     def __init__(self, config: TierConfig, layout: KVLayout) -> None:
         self.config = config
@@ -136,6 +142,12 @@ class Backend(ABC):
         """Forget what ``slots`` hold, so a reopen does not recover it (a block found
         corrupt on load, a block evicted for good). The slots' allocation is the
         manager's business, not touched here."""
+
+    def exists(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Whether the medium holds a value under each key (server-booked backends, in
+        one batched round trip; the read still verifies). Others keep their books in
+        the manager and need not answer."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no books of its own")
 
     def check(self) -> list[str]:
         """Consistency problems found (empty when consistent)."""

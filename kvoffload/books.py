@@ -83,6 +83,8 @@ class Books:
         first = self.managers[0].capacity
         budget = max(1, min(prefetch_max_inflight // bytes_per_block, first // 2))
         self.load_timeout_s = load_timeout_s
+        # Tiers whose books are their server's: asked before each lookup.
+        self._server_booked = [t for t, m in enumerate(self.managers) if m.server_booked]
         self.claims = Claims(self, budget, load_timeout_s)
         self.prefetch_stats = self.claims.stats
         self.stats = [
@@ -93,8 +95,28 @@ class Books:
     # -- lookups and plans ---------------------------------------------------------------
     def lookup(self, keys: Sequence[BlockKey]) -> int:
         """Length of the longest prefix of ``keys`` held ready by some tier."""
+        self._ask_servers(keys)
         with self.lock:
             return len(self._locate(keys))
+
+    def _ask_servers(self, keys: Sequence[BlockKey], owner: Hashable = None) -> None:
+        """Before a lookup: ask each tier whose books are its server's which of the
+        keys past the first tier's prefix it holds (a network round trip, so outside
+        the lock; an answer that goes stale meanwhile costs a miss at read time, never
+        data). Skipped while ``owner``'s claim still waits on prefetches (it will not
+        look yet), and for tiers whose breaker is open. A failed answer feeds the
+        breaker."""
+        if not self._server_booked:
+            return
+        with self.lock:
+            if owner is not None and self.claims.waiting(owner):
+                return
+            rest = keys[self.managers[0].lookup(keys) :]
+            asked = [t for t in self._server_booked if not self.bypassed(t)]
+        if not rest:
+            return
+        for t in asked:
+            self.health(t, self.managers[t].refresh(rest))
 
     def plan_store(
         self, keys: Sequence[BlockKey], pool_ids: Sequence[int], now: float, after: Any = None
@@ -130,6 +152,7 @@ class Books:
     def plan_load(self, keys: Sequence[BlockKey]) -> LoadPlan:
         """Find and pin the longest held prefix of ``keys``, each block in the fastest
         tier holding it; reserve first-tier slots for the blocks to promote."""
+        self._ask_servers(keys)
         with self.lock:
             located = self._locate(keys)
             plan = LoadPlan(list(keys[: len(located)]), [], len(keys))
@@ -173,6 +196,7 @@ class Books:
         """The claim of ``Offloader.claim`` (see there), and the prefetches it started:
         the caller queues each on its source tier's load lane (or hands it back with
         :meth:`prefetch_refused`)."""
+        self._ask_servers(keys, owner)
         with self.lock:
             return self.claims.claim(owner, keys)
 
@@ -497,6 +521,10 @@ class Books:
         pinned by another reader is left to that reader, which will find it invalid
         too."""
         manager = self.managers[t]
+        if manager.server_booked:  # most likely evicted by the server after the lookup
+            manager.remove(keys)
+            self.stats[t].lost_blocks += len(keys)
+            return
         free = [k for k in keys if manager.idle(k)]
         if free:
             self._discard(t, manager.remove(free))

@@ -85,6 +85,12 @@ class Claims:
         runs = [Run(0, 0, ready, slots)] if ready else []
         return LoadPlan(list(keys[:ready]), runs, len(keys)), []
 
+    def waiting(self, owner: Hashable) -> bool:
+        """Whether ``owner``'s claim waits on prefetches still running (and the claim
+        will answer "not yet" without looking)."""
+        cl = self._claims.get(owner)
+        return cl is not None and any(not p.done for p in cl.waits)
+
     def refused(self, p: Prefetch) -> None:
         """See :meth:`Books.prefetch_refused`."""
         if p.done:

@@ -112,3 +112,17 @@ class OffloadingManager(ABC):
     @abstractmethod
     def check(self) -> list[str]:
         """Consistency problems of the books (empty when consistent)."""
+
+    # -- tiers whose books live on their server ------------------------------------------
+    @property
+    def server_booked(self) -> bool:
+        """Whether the books are the medium's own (a shared server): a lookup must then
+        :meth:`refresh` first. Local books answer from memory."""
+        return False
+
+    def refresh(self, keys: Sequence[BlockKey]) -> bool:
+        """Ask the medium which of ``keys`` it holds, before a lookup's per-key
+        questions (:meth:`ready`, :meth:`lookup`); ``False`` if it could not answer.
+        Called without the Offloader's lock held: it may wait on the network. Local
+        books have nothing to ask."""
+        return True

@@ -123,6 +123,12 @@ class TierCounters:
         "the tier, served as misses and recomputed.",
         column="corrupt",
     )
+    lost_blocks: int = _count(
+        "Blocks of a shared server's tier that a lookup found but the read did not get "
+        "intact: evicted or replaced on the server in between (damage is logged by the "
+        "backend). Misses, recomputed; left on the server.",
+        column="lost",
+    )
     promotions: int = _count(
         "Blocks copied up into this tier by a load or a prefetch (first tier only)."
     )

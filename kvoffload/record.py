@@ -28,6 +28,7 @@ from typing import Any, Final
 import numpy as np
 import xxhash
 
+from kvoffload.exceptions import BackendError
 from kvoffload.keys import MAX_KEY_BYTES
 
 MAGIC: Final = b"KVBH"
@@ -177,3 +178,15 @@ def seal_rows(table: np.ndarray[Any, np.dtype[np.void]], rows: Iterable[int]) ->
     for i in rows:
         start = i * HEADER_BYTES
         hcrc[i] = zlib.crc32(raw[start : start + HEADER_BYTES - 4])
+
+
+def key_bytes(tier: str, keys: Iterable[bytes]) -> list[bytes]:
+    """``keys`` as ``bytes``, each checked to fit a header's key field (1..64 bytes):
+    a key that does not fit could not be verified on read, so it is refused up front."""
+    out = [bytes(k) for k in keys]
+    for key in out:
+        if not 0 < len(key) <= MAX_KEY_BYTES:
+            raise BackendError(
+                f"tier {tier!r}: block keys must be 1..{MAX_KEY_BYTES} bytes, got {len(key)}"
+            )
+    return out

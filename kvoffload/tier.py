@@ -11,11 +11,13 @@ from dataclasses import dataclass
 
 from kvoffload.backend import Backend
 from kvoffload.config import KVOffloadConfig
+from kvoffload.exceptions import ConfigError
 from kvoffload.keys import BlockKey
 from kvoffload.layout import KVLayout
 from kvoffload.lru_manager import LRUOffloadingManager
 from kvoffload.manager import OffloadingManager
 from kvoffload.registry import create_backend
+from kvoffload.server_manager import ServerBookedManager
 
 
 @dataclass(slots=True)
@@ -45,13 +47,24 @@ def build_tiers(config: KVOffloadConfig, layout: KVLayout, *, events: bool = Fal
     records would grow with every block ever stored."""
     tiers: list[Tier] = []
     try:
-        for tier_config in config.resolved_tiers():
+        for i, tier_config in enumerate(config.resolved_tiers()):
             backend = create_backend(tier_config, layout)
-            manager = LRUOffloadingManager(
+            manager: OffloadingManager
+            if backend.server_booked:
+                manager = ServerBookedManager(backend, backend.num_slots, name=tier_config.name)
+                tiers.append(Tier(tier_config.name, backend, manager))
+                if i == 0:
+                    raise ConfigError(
+                        f"tiers[0] ({tier_config.name!r}): backend {tier_config.backend!r} "
+                        "is a shared server, which cannot be the first tier (loads copy "
+                        "from the first tier's memory); put a cpu tier in front of it"
+                    )
+                continue
+            lru = LRUOffloadingManager(
                 backend.slots, config.eviction, name=tier_config.name, enable_events=events
             )
-            tiers.append(Tier(tier_config.name, backend, manager))
-            manager.restore((b.key, b.slot) for b in backend.recover())
+            tiers.append(Tier(tier_config.name, backend, lru))
+            lru.restore((b.key, b.slot) for b in backend.recover())
     except BaseException:
         for tier in tiers:
             tier.close()

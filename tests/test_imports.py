@@ -80,7 +80,7 @@ LAYERS: Final[dict[int, tuple[str, tuple[str, ...]]]] = {
             "metrics",
         ),
     ),
-    2: ("bookkeeping", ("manager", "lru_manager", "policies", "plans")),
+    2: ("bookkeeping", ("manager", "lru_manager", "server_manager", "policies", "plans")),
     3: (
         "storage",
         # hostcopy: the host-memory copy helpers the memory tiers and the block pool share.

@@ -1,0 +1,725 @@
+"""The ``redis`` backend: one tier on a Redis server or cluster that many engines share.
+
+Runs wherever the tier's bytes move (the transfer worker). Unlike the other tiers, the
+store is not this process's: any number of engine replicas read and write the same
+server, and the server alone decides what stays (``maxmemory`` with ``allkeys-lru``,
+``ttl_s``). So this backend keeps no books of its own:
+
+- **One value per block**: the 128-byte record header of :mod:`kvoffload.record`
+  (magic, key, length, layout fingerprint, xxh3 checksum of the payload, header CRC)
+  followed by the payload. Value and metadata are evicted, expire and are overwritten
+  together, so no half of a pair can be orphaned (LMCache keeps two keys per chunk and
+  can lose one). Every value read is verified: one that is torn, of another layout or
+  key, or not ours at all is a miss, never data.
+- **Key** ``{key_prefix}:{layout fingerprint hex}:{block key hex}``. The fingerprint
+  covers the model's shape, dtype and namespace (model name, TP rank), so engines of
+  different models or ranks share a server without ever seeing each other's blocks.
+  No hash tag: keys spread over a cluster's slots, so load spreads over its masters.
+- **One round trip per node per batch**: writes, reads, :meth:`RedisBackend.exists`
+  and :meth:`RedisBackend.delete` each send their whole batch as one pipeline
+  (``transaction=False``); a cluster pipeline groups the commands per master and
+  writes to all of them before reading any reply. :attr:`RedisBackend.round_trips`
+  counts the requests actually written to sockets, so tests and metrics see the real
+  number, retries and redirections included.
+- **Slots are nominal.** The base class's allocator still runs (the manager contract
+  needs it) and ``capacity`` bounds it, but a slot names no place on the server:
+  writes and reads address blocks by key only, and :meth:`RedisBackend.recover`
+  returns nothing, since the server's contents are not this process's to adopt.
+
+Failures: every error of the client or the server (unreachable, timeout, ``OOM``
+under ``noeviction``, ``CLUSTERDOWN``, a redirection that failed) becomes one
+:class:`~kvoffload.exceptions.BackendError` with a one-line message that never
+carries credentials; the Offloader turns it into a failed store or a miss. Nothing is
+retried at length: one immediate retry of a stale connection (a restarted server),
+then the error, so an engine step never waits on a dead server for more than the
+configured timeouts. The next batch reconnects by itself.
+
+Secrets: ``password`` and ``username`` are :class:`~pydantic.SecretStr`, so they
+appear in no repr, log or validation error; credentials written into ``url`` are
+moved out of it when the config is validated, for the same reason.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import re
+import threading
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from typing import Any, Final, Literal, cast
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
+
+import numpy as np
+import redis
+import redis.exceptions
+import torch
+from pydantic import ConfigDict, Field, SecretStr, ValidationInfo, field_validator, model_validator
+from redis._parsers import Encoder
+from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.connection import (
+    BlockingConnectionPool,
+    Connection,
+    PythonRespSerializer,
+    SSLConnection,
+)
+from redis.retry import Retry
+
+from kvoffload.backend import Backend
+from kvoffload.config import ByteSize, TierConfig
+from kvoffload.exceptions import BackendError, ConfigError
+from kvoffload.keys import BlockKey
+from kvoffload.layout import KVLayout
+from kvoffload.record import (
+    HEADER_BYTES,
+    HEADER_DTYPE,
+    MAGIC,
+    VERSION,
+    build_headers,
+    key_bytes,
+    padded_keys,
+    payload_checksum,
+)
+
+logger = logging.getLogger(__name__)
+
+_PREFIX_RE: Final = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_NODE_RE: Final = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})$")
+_MASK: Final = "***"
+
+SOCKET_READ_BYTES: Final = 1024 * 1024
+"""Bytes asked of each ``recv``. redis-py's default (64 KiB) read 2 MiB values at
+0.46 GB/s on loopback, 1 MiB at 0.76 GB/s (2026-11-23, this 2-CPU machine); the
+buffer is per connection, so ``max_connections`` of them at most."""
+
+_PACK_CUTOFF: Final = 6000
+"""redis-py's own cutoff: arguments above it are sent as separate buffers."""
+
+_SPARE_PACK_BYTES: Final = 64 * 1024 * 1024
+"""Largest pack buffer kept between batches (see ``RedisBackend._take_buffer``)."""
+
+
+class RedisTierConfig(TierConfig):
+    """A tier on a Redis server (``url``) or Redis Cluster (``nodes``), shared by every
+    engine that names the same server, prefix and layout."""
+
+    # Validation errors must never echo a password: pydantic would print each field's
+    # input, and an error in any field of a tier would show the whole mapping.
+    model_config = ConfigDict(hide_input_in_errors=True)
+
+    backend: Literal["redis"] = "redis"
+    """Selects the Redis backend."""
+    capacity: ByteSize = 1024**3
+    """Upper bound the client assumes on what it has stored (value bytes, headers
+    included), kept because every tier's manager allocates against one. The server's
+    ``maxmemory`` decides what actually stays: it evicts, not this client."""
+    url: str | None = None
+    """A standalone server, ``redis://host:6379/0`` or ``rediss://...`` for TLS; query
+    options go to redis-py (e.g. ``?ssl_ca_certs=/etc/ca.pem``). Credentials written
+    here are moved to ``username``/``password`` (never logged)."""
+    nodes: list[str] | None = None
+    """A cluster instead: some of its masters as ``host:port``; the rest are found."""
+    key_prefix: str = "kvo"
+    """First part of every key (1-64 letters, digits, ``_.-``): separates deployments
+    sharing one server, and lets an operator find or flush this tier's keys."""
+    ttl_s: int | None = Field(default=None, gt=0)
+    """Expire each block this many seconds after its last store; ``null``: only the
+    server's eviction removes blocks."""
+    max_connections: int = Field(default=16, ge=1, le=1024)
+    """Connections per server (per cluster node); a batch waits for a free one up to
+    ``socket_timeout_ms``."""
+    socket_timeout_ms: float = Field(default=2000.0, gt=0)
+    """Longest wait for the server to accept or answer a piece of a batch; past it the
+    batch fails (a miss or a failed store), so a slow server costs at most this."""
+    connect_timeout_ms: float = Field(default=1000.0, gt=0)
+    """Longest wait for a connection to open; a server that is down fails this fast."""
+    username: SecretStr | None = None
+    """ACL user (Redis 6+); ``null``: the default user."""
+    password: SecretStr | None = None
+    """AUTH password; never logged, printed or put in an error message."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _credentials_out_of_url(cls, data: Any) -> Any:
+        """Move credentials out of ``url`` into the secret fields, so the url (logged,
+        printed, quoted in errors) never carries a secret (:func:`_move_credentials`)."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for field in ("username", "password"):
+            value = data.get(field)
+            if value is not None and not isinstance(value, str | SecretStr):
+                # Fails validation as it should, but names only the type: pydantic puts
+                # a field's input in its error, and YAML reads ``password: 1234`` as a
+                # number.
+                data[field] = _Hidden(type(value).__name__)
+        if isinstance(data.get("url"), str):
+            data["url"] = _move_credentials(data["url"], data)
+        return data
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, url: str | None, info: ValidationInfo) -> str | None:
+        if url is None:
+            return None
+        tier = info.data.get("name", "?")
+        parts = urlsplit(url)
+        if parts.scheme not in ("redis", "rediss"):
+            raise ValueError(
+                f"tier {tier!r}: url must start with redis:// (or rediss:// for TLS), "
+                f"e.g. redis://host:6379/0; got scheme {parts.scheme!r}"
+            )
+        if "@" in parts.netloc:
+            raise ValueError(
+                f"tier {tier!r}: url carries credentials and username/password are set "
+                "too; keep only the username and password fields (never logged)"
+            )
+        try:
+            port = parts.port
+        except ValueError:
+            port = -1
+        if not parts.hostname or port == -1:
+            raise ValueError(
+                f"tier {tier!r}: url {url!r} names no valid host[:port]; e.g. redis://host:6379/0"
+            )
+        return url
+
+    @field_validator("nodes")
+    @classmethod
+    def _check_nodes(cls, nodes: list[str] | None, info: ValidationInfo) -> list[str] | None:
+        """Also checks that exactly one of url and nodes is given: here, as an error
+        of one field, rather than in a model validator, whose error would carry the
+        whole tier mapping, password included, as its input."""
+        tier = info.data.get("name", "?")
+        if "url" in info.data and (info.data["url"] is None) == (nodes is None):
+            got = "neither" if nodes is None else "both"
+            raise ValueError(
+                f"tier {tier!r}: give exactly one of url (a standalone server, e.g. "
+                "redis://host:6379/0) or nodes (a cluster's masters, e.g. "
+                f"[host1:7000, host2:7000]); got {got}"
+            )
+        if nodes is None:
+            return None
+        if not nodes:
+            raise ValueError(
+                f"tier {tier!r}: nodes is empty; list at least one cluster master as "
+                "host:port, e.g. [10.0.0.1:7000]"
+            )
+        for node in nodes:
+            m = _NODE_RE.match(node)
+            if m is None or not 0 < int(m["port"]) < 65536:
+                raise ValueError(
+                    f"tier {tier!r}: nodes entry {node!r} is not host:port with a port "
+                    "1..65535, e.g. 10.0.0.1:7000 or [::1]:7000"
+                )
+        return nodes
+
+    @field_validator("key_prefix")
+    @classmethod
+    def _check_prefix(cls, prefix: str, info: ValidationInfo) -> str:
+        if not _PREFIX_RE.match(prefix):
+            raise ValueError(
+                f"tier {info.data.get('name', '?')!r}: key_prefix = {prefix!r}: use 1-64 "
+                "letters, digits or _.- (':' separates the parts of a key, and braces "
+                "would pin every key to one cluster slot)"
+            )
+        return prefix
+
+    def where(self) -> str:
+        """The server(s), for logs and errors: the url (which carries no secret, see
+        above) or the cluster's startup nodes."""
+        if self.url is not None:
+            return self.url
+        return f"cluster {','.join(self.nodes or [])}"
+
+
+def _move_credentials(url: str, fields: dict[str, Any]) -> str:
+    """``url`` without its credentials (``user:password@`` or ``?password=``), which go
+    into ``fields`` where those are unset; where they are set too, a masked ``***@``
+    is left for the url's validator to reject. The userinfo ends at the url's last
+    ``@``, so that a password with an unescaped ``/``, ``?`` or ``@`` is still found
+    and never left in the url."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    userinfo, at, rest = rest.rpartition("@")
+    where, _, query = rest.partition("?")
+    found: list[tuple[str, str]] = []
+    if at:
+        user, colon, password = userinfo.partition(":")
+        found += [("username", unquote(user)), ("password", unquote(password) if colon else "")]
+    options = []
+    for name, value in parse_qsl(query, keep_blank_values=True):
+        if name in ("username", "password"):
+            found.append((name, value))
+        else:
+            options.append((name, value))
+    clash = False
+    for name, value in found:
+        if not value:
+            continue
+        if fields.get(name) is None:
+            fields[name] = value
+        else:
+            clash = True
+    masked = f"{_MASK}@" if clash else ""
+    tail = f"?{urlencode(options)}" if options else ""
+    return f"{scheme}://{masked}{where}{tail}"
+
+
+class _Hidden:
+    """Stands in for a secret of the wrong type in a validation error."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def __repr__(self) -> str:
+        return f"<hidden {self.kind}: quote it in YAML>"
+
+
+class _Tally:
+    """A thread-safe counter: requests are sent from the transfer worker's threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.value = 0
+
+    def add(self, n: int = 1) -> None:
+        with self._lock:
+            self.value += n
+
+
+_ZERO_COPY_PACKER: Final = PythonRespSerializer(
+    _PACK_CUTOFF,
+    Encoder("utf-8", "strict", False).encode,  # type: ignore[no-untyped-call]
+)
+"""redis-py's pure-Python command packer. With hiredis installed redis-py packs with
+hiredis, which copies every value twice (``bytes(memoryview)``, then into one request
+buffer); this one sends a large value as the caller's own buffer. Pipelined SETs of
+2 MiB values: 0.78 GB/s with hiredis packing, 1.64 GB/s with this (2026-11-23). Replies
+are still parsed by hiredis. Stateless, so one instance serves every connection."""
+
+
+def _counting_connection(base: type[Connection], tally: _Tally) -> type[Connection]:
+    """A connection class that counts each request it writes in ``tally`` and packs
+    without copies (:data:`_ZERO_COPY_PACKER`).
+
+    Counted here, at the socket, rather than per pipeline: a cluster pipeline's
+    per-node requests, a retry after a stale connection, the commands redis-py resends
+    one by one after a ``MOVED`` and the handshake of a new connection are all real
+    round trips, and only the connection sees every one of them. A class per backend,
+    because a cluster client builds its connections from a class, not a factory."""
+
+    def init(self: Connection, **kwargs: Any) -> None:
+        kwargs.setdefault("command_packer", _ZERO_COPY_PACKER)
+        base.__init__(self, **kwargs)  # type: ignore[no-untyped-call]
+
+    def send_packed_command(self: Connection, command: Any, check_health: bool = True) -> None:
+        tally.add()
+        base.send_packed_command(self, command, check_health)  # type: ignore[no-untyped-call]
+
+    namespace = {"__init__": init, "send_packed_command": send_packed_command}
+    return cast(type[Connection], type(f"Counting{base.__name__}", (base,), namespace))
+
+
+def _describe(exc: BaseException, secrets: Sequence[str]) -> str:
+    """``exc`` as one short line with any secret masked. redis-py's messages carry
+    host:port but no credentials; the masking is for whatever a server might echo."""
+    text = " ".join(str(exc).split()) or "no message"
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, _MASK)
+    if len(text) > 200:
+        text = text[:197] + "..."
+    return f"{type(exc).__name__}: {text}"
+
+
+def _hint(exc: BaseException) -> str:
+    """What an operator can do about the common failures."""
+    if isinstance(exc, redis.exceptions.OutOfMemoryError) or str(exc).startswith("OOM"):
+        return (
+            "; the server is at maxmemory and does not evict: set maxmemory-policy "
+            "allkeys-lru (or raise maxmemory)"
+        )
+    if isinstance(exc, redis.exceptions.ClusterDownError):
+        return "; the cluster serves no slot of some keys (a master down with no replica?)"
+    if isinstance(exc, redis.exceptions.RedisClusterException):
+        return "; no node listed in nodes answered (it is retried on the next batch)"
+    if isinstance(exc, redis.exceptions.AuthenticationError | redis.exceptions.NoPermissionError):
+        return "; check the tier's username and password"
+    if isinstance(exc, redis.exceptions.TimeoutError):
+        return "; the server answered slower than socket_timeout_ms"
+    if isinstance(exc, redis.exceptions.ConnectionError):
+        return "; the server is unreachable (it is retried on the next batch)"
+    return ""
+
+
+_WRONG_VALUE: Final = ("WRONGTYPE",)
+"""Per-key replies that mean "another kind of value is stored here": a foreign value,
+so a miss for that block, not a failure of the batch."""
+
+_RedisClient = redis.Redis | RedisCluster
+
+
+class RedisBackend(Backend):
+    """A tier on a Redis server or cluster; see the module docs for the format."""
+
+    config_model = RedisTierConfig
+    persistent = True
+    """The server's contents outlive this process (and are other engines' too)."""
+    server_booked = True
+    """The server keeps the books (it evicts by itself, other engines write it): the
+    tier's manager asks :meth:`exists` at lookup instead of keeping an LRU."""
+
+    def __init__(self, config: TierConfig, layout: KVLayout) -> None:
+        if not isinstance(config, RedisTierConfig):
+            raise ConfigError(
+                f"tier {config.name!r}: the redis backend takes a RedisTierConfig (url or "
+                f"nodes, key_prefix, ttl_s, ...), got {type(config).__name__}"
+            )
+        super().__init__(config, layout)
+        self.redis_config = config
+        self.value_bytes = HEADER_BYTES + layout.bytes_per_block
+        self._key_head = f"{config.key_prefix}:{layout.fingerprint.hex()}:".encode()
+        self._fp = np.array([layout.fingerprint], dtype="V16")[0]
+        self._secrets = [
+            s.get_secret_value() for s in (config.password, config.username) if s is not None
+        ]
+        self._tally = _Tally()
+        self._lock = threading.Lock()
+        """Guards the client's creation and the pack buffer."""
+        self._stats_lock = threading.Lock()
+        """Guards the counters, apart from ``_lock``: a failure to connect is counted
+        while ``_lock`` is held."""
+        self._client: _RedisClient | None = None
+        self._closed = False
+        self._seq = itertools.count(1)
+        self._spare: np.ndarray[Any, Any] | None = None
+        self._failing = 0
+        self.missing_blocks = 0
+        """Blocks asked for that the server did not have (evicted, expired, never
+        stored): plain misses, the normal fate of a block in a shared cache."""
+        self.corrupt_blocks = 0
+        """Values found under our keys that failed verification (served as misses)."""
+        self.failed_batches = 0
+        """Batches that raised :class:`BackendError` (server or connection errors)."""
+
+    @classmethod
+    def slot_bytes(cls, layout: KVLayout) -> int:
+        """A value is the header plus the payload; the capacity counts both."""
+        return HEADER_BYTES + layout.bytes_per_block
+
+    @property
+    def round_trips(self) -> int:
+        """Requests written to the server(s) so far: one per node per batch, plus the
+        handshake of each new connection and any retry or redirection."""
+        return self._tally.value
+
+    def redis_key(self, key: bytes) -> bytes:
+        """The server-side key of block ``key`` under this tier's prefix and layout."""
+        return self._key_head + bytes(key).hex().encode()
+
+    # -- the client ---------------------------------------------------------------
+    def _get_client(self) -> _RedisClient:
+        """The client, created on first use: a cluster client asks the cluster for its
+        slot map when built, and a server that is down at start must be a failed
+        batch (retried next time), not an engine that cannot start."""
+        client = self._client
+        if client is not None:
+            return client
+        with self._lock:
+            if self._closed:
+                raise BackendError(f"tier {self.name!r} is closed")
+            if self._client is None:
+                try:
+                    self._client = self._make_client()
+                except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException) as exc:
+                    raise self._failure("connect", 0, exc) from None
+                logger.info(
+                    "tier %s: redis at %s, key prefix %s, ttl %s, %d connections per server",
+                    self.name,
+                    self.redis_config.where(),
+                    self._key_head.decode(),
+                    f"{self.redis_config.ttl_s} s" if self.redis_config.ttl_s else "none",
+                    self.redis_config.max_connections,
+                )
+            return self._client
+
+    def _make_client(self) -> _RedisClient:
+        cfg = self.redis_config
+        tls = cfg.url is not None and cfg.url.startswith("rediss://")
+        kwargs: dict[str, Any] = {
+            "connection_class": _counting_connection(
+                SSLConnection if tls else Connection, self._tally
+            ),
+            "max_connections": cfg.max_connections,
+            "socket_timeout": cfg.socket_timeout_ms / 1000,
+            "socket_connect_timeout": cfg.connect_timeout_ms / 1000,
+            "socket_read_size": SOCKET_READ_BYTES,
+            "client_name": f"kvoffload-{self.name}",
+            "username": cfg.username.get_secret_value() if cfg.username else None,
+            "password": cfg.password.get_secret_value() if cfg.password else None,
+        }
+        # One immediate retry, on connection errors only: enough for a pooled connection
+        # a server restart left dead, never a wait (redis-py's default backs off for
+        # seconds). A timeout is not retried: the server was slow, it will be again.
+        retry = Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,))
+        if cfg.url is not None:
+            # A blocking pool: threads beyond max_connections wait for a connection
+            # (up to the socket timeout) instead of failing at once.
+            pool = BlockingConnectionPool.from_url(
+                cfg.url, timeout=cfg.socket_timeout_ms / 1000, retry=retry, **kwargs
+            )
+            return redis.Redis(connection_pool=pool)
+        nodes = [_split_node(n) for n in cfg.nodes or []]
+        # Built "from a url" (the first node's) so that redis-py creates each node's pool
+        # from connection_class and connection_pool_class; given only startup nodes it
+        # would ignore both.
+        host, port = nodes[0]
+        return RedisCluster(
+            url=f"redis://{_url_host(host)}:{port}",
+            startup_nodes=[ClusterNode(h, p) for h, p in nodes[1:]],  # type: ignore[no-untyped-call]
+            retry=retry,
+            connection_pool_class=BlockingConnectionPool,
+            timeout=cfg.socket_timeout_ms / 1000,
+            **kwargs,
+        )
+
+    def _run(
+        self, op: str, n: int, queue: Callable[[Any], None], *, wrong_type_ok: bool = False
+    ) -> list[Any]:
+        """Queue a batch's commands with ``queue(pipeline)``, send them as one pipeline
+        and return the replies. Where ``wrong_type_ok``, a per-key ``WRONGTYPE`` reply
+        stays in the list (as its exception: a foreign value, which the caller counts
+        as such); every other error raises :class:`BackendError`."""
+        client = self._get_client()
+        try:
+            pipe = client.pipeline(transaction=False)
+            queue(pipe)
+            replies: list[Any] = pipe.execute(raise_on_error=False)
+        except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException) as exc:
+            raise self._failure(op, n, exc) from None
+        for reply in replies:
+            if isinstance(reply, Exception):
+                if (
+                    wrong_type_ok
+                    and isinstance(reply, redis.exceptions.ResponseError)
+                    and str(reply).startswith(_WRONG_VALUE)
+                ):
+                    continue
+                raise self._failure(op, n, reply)
+        if self._failing:
+            with self._stats_lock:
+                failed, self._failing = self._failing, 0
+            if failed:
+                logger.info(
+                    "tier %s: redis at %s answers again after %d failed batches",
+                    self.name,
+                    self.redis_config.where(),
+                    failed,
+                )
+        return replies
+
+    def _failure(self, op: str, n: int, exc: BaseException) -> BackendError:
+        """The one-line error of a failed batch, logged (the first of a run of failures
+        at warning level, the rest at debug, as the Offloader counts them all)."""
+        with self._stats_lock:
+            self.failed_batches += 1
+            self._failing += 1
+            first = self._failing == 1
+        what = f"{op} of {n} blocks" if n else op
+        message = (
+            f"tier {self.name!r}: redis {what} at {self.redis_config.where()} failed: "
+            f"{_describe(exc, self._secrets)}{_hint(exc)}"
+        )
+        (logger.warning if first else logger.debug)("%s", message)
+        return BackendError(message)
+
+    # -- data ---------------------------------------------------------------------
+    def write(self, slots: Sequence[int], keys: Sequence[BlockKey], src: torch.Tensor) -> None:
+        self.check_batch(slots, keys, src)
+        if not slots:
+            return
+        key_list = key_bytes(self.name, keys)
+        rows = (src if src.device.type == "cpu" else src.to("cpu")).numpy()
+        buf = self._take_buffer(len(key_list))
+        try:
+            self._pack_into(buf, key_list, rows)
+            ttl = self.redis_config.ttl_s
+
+            def queue(pipe: Any) -> None:
+                for i, key in enumerate(key_list):
+                    # A memoryview of the packed row: sent as it is, never copied.
+                    pipe.set(self.redis_key(key), memoryview(buf[i]), ex=ttl)
+
+            self._run("write", len(key_list), queue)
+        finally:
+            self._give_buffer(buf)
+
+    def _pack_into(self, out: np.ndarray[Any, Any], keys: list[bytes], rows: Any) -> None:
+        """Header plus payload of each row into the rows of ``out``; the checksum is
+        of the copy, so what is stored is exactly what was summed even if the caller
+        reuses its buffer meanwhile."""
+        n = len(keys)
+        payloads = out[:, HEADER_BYTES:]
+        np.copyto(payloads, rows)
+        sums = [payload_checksum(p) for p in payloads]
+        with self._lock:
+            first = next(self._seq)
+            self._seq = itertools.count(first + n)
+        now = time.time()
+        headers = build_headers(
+            keys,
+            length=self.layout.bytes_per_block,
+            first_seq=first,
+            wtime=now,
+            atime=now,
+            layout_fp=self.layout.fingerprint,
+            checksums=sums,
+        )
+        out[:, :HEADER_BYTES] = headers.view(np.uint8).reshape(n, HEADER_BYTES)
+
+    def _take_buffer(self, n: int) -> np.ndarray[Any, Any]:
+        """A ``[n, value_bytes]`` pack buffer. The whole batch is packed before the
+        pipeline is sent (its values are views of the buffer), so the buffer is as big
+        as the batch; one up to :data:`_SPARE_PACK_BYTES` is kept for the next batch,
+        so the usual batch does not fault fresh pages in every time."""
+        with self._lock:
+            spare, self._spare = self._spare, None
+        if spare is not None and spare.shape[0] >= n:
+            return spare[:n]
+        return np.empty((n, self.value_bytes), dtype=np.uint8)
+
+    def _give_buffer(self, buf: np.ndarray[Any, Any]) -> None:
+        base = buf if buf.base is None else buf.base
+        if base.nbytes <= _SPARE_PACK_BYTES:
+            with self._lock:
+                if self._spare is None or self._spare.shape[0] < base.shape[0]:
+                    self._spare = base
+
+    def read(self, slots: Sequence[int], keys: Sequence[BlockKey], dst: torch.Tensor) -> list[bool]:
+        self.check_batch(slots, keys, dst)
+        if not slots:
+            return []
+        key_list = [bytes(k) for k in keys]
+
+        def queue(pipe: Any) -> None:
+            for key in key_list:
+                pipe.get(self.redis_key(key))
+
+        values = self._run("read", len(key_list), queue, wrong_type_ok=True)
+        valid = self._verify(key_list, values)
+        # Payloads go straight from the reply into the caller's rows (one copy); a
+        # device or strided ``dst`` is filled through a host buffer.
+        direct = dst.device.type == "cpu" and dst.stride(1) == 1
+        out = dst if direct else torch.empty(dst.shape, dtype=torch.uint8)
+        rows = out.numpy()
+        for i, ok in enumerate(valid):
+            if ok:
+                np.copyto(rows[i], np.frombuffer(values[i], np.uint8, offset=HEADER_BYTES))
+        if out is not dst:
+            dst.copy_(out)
+        return valid
+
+    def _verify(self, keys: list[bytes], values: list[Any]) -> list[bool]:
+        """Which replies hold an intact value of the asked key under this layout.
+
+        The headers are checked as one array (field access on numpy scalars costs
+        ~20 us a header, see :func:`~kvoffload.record.build_headers`), the header CRC
+        and the payload checksum per value. The server is shared, so anything may be
+        stored under our keys: a stale value of an older format, a foreign writer's
+        bytes, a value cut short by a client that died mid-write."""
+        n = len(keys)
+        sized = [
+            i for i, v in enumerate(values) if isinstance(v, bytes) and len(v) == self.value_bytes
+        ]
+        absent = sum(1 for v in values if v is None)
+        ok = np.zeros(n, dtype=bool)
+        if sized:
+            headers = np.empty(len(sized), dtype=HEADER_DTYPE)
+            raw = headers.view(np.uint8).reshape(len(sized), HEADER_BYTES)
+            for j, i in enumerate(sized):
+                raw[j] = np.frombuffer(values[i], np.uint8, count=HEADER_BYTES)
+            want = [keys[i] for i in sized]
+            match = (
+                (headers["magic"] == MAGIC)
+                & (headers["version"] == VERSION)
+                & (headers["length"] == self.layout.bytes_per_block)
+                & (headers["layout"] == self._fp)
+                & (headers["key_len"] == np.array([len(k) for k in want], dtype=np.uint16))
+                & (headers["key"] == padded_keys(want))
+            )
+            hcrc, sums = headers["hcrc"], headers["checksum"]
+            for j in np.flatnonzero(match).tolist():
+                i = sized[j]
+                view = memoryview(values[i])
+                ok[i] = zlib.crc32(view[: HEADER_BYTES - 4]) == int(hcrc[j]) and payload_checksum(
+                    view[HEADER_BYTES:]
+                ) == int(sums[j])
+        bad = n - absent - int(ok.sum())
+        with self._stats_lock:
+            self.missing_blocks += absent
+            self.corrupt_blocks += bad
+            first = bad > 0 and self.corrupt_blocks == bad
+        if bad:
+            (logger.warning if first else logger.debug)(
+                "tier %s: %d of %d values under this tier's keys failed verification and "
+                "are served as misses (foreign, damaged or of another format)",
+                self.name,
+                bad,
+                n,
+            )
+        return cast(list[bool], ok.tolist())
+
+    # -- lookups and deletion, for a manager whose books are the server's ---------
+    def exists(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Whether the server holds a value under each key, in one pipelined
+        ``EXISTS`` per node. Presence only: a value is verified when read, so a hit
+        here may still be a miss there (evicted meanwhile, or foreign)."""
+        if not keys:
+            return []
+        key_list = [bytes(k) for k in keys]
+
+        def queue(pipe: Any) -> None:
+            for key in key_list:
+                pipe.exists(self.redis_key(key))
+
+        return [bool(r) for r in self._run("lookup", len(key_list), queue)]
+
+    def delete(self, keys: Sequence[BlockKey]) -> int:
+        """Remove blocks from the server (one pipelined ``UNLINK`` per node, which frees
+        big values off the server's main thread); returns how many were there."""
+        if not keys:
+            return 0
+        key_list = [bytes(k) for k in keys]
+
+        def queue(pipe: Any) -> None:
+            for key in key_list:
+                pipe.unlink(self.redis_key(key))
+
+        return sum(int(r) for r in self._run("delete", len(key_list), queue))
+
+    def discard(self, slots: Sequence[int]) -> None:
+        """Nothing to do: a slot names no value on the server (see the module docs).
+        A block found corrupt is left to be overwritten or evicted, since another
+        engine may be rewriting it; :meth:`delete` removes blocks by key."""
+
+    def close(self) -> None:
+        """Close the connections. Idempotent; the backend is unusable afterwards."""
+        with self._lock:
+            self._closed = True
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+
+def _split_node(node: str) -> tuple[str, int]:
+    m = _NODE_RE.match(node)
+    assert m is not None, "validated by RedisTierConfig"
+    return m["host"].strip("[]"), int(m["port"])
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
