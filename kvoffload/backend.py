@@ -149,6 +149,15 @@ class Backend(ABC):
         the manager and need not answer."""
         raise NotImplementedError(f"{type(self).__name__} keeps no books of its own")
 
+    def io_counters(self) -> dict[str, int]:
+        """What only the medium sees, as totals since the backend opened, by tier
+        counter name: the counters of :data:`~kvoffload.metrics.TIER_METRICS` declared
+        with ``source="backend"`` (``round_trips``, ``server_errors``); other names are
+        ignored. The Offloader copies them into the tier's stats each time those are
+        read (every stats poll, under the books' lock), so this must be a few attribute
+        reads: no I/O, no lock held for long. Default: none (they read 0)."""
+        return {}
+
     def check(self) -> list[str]:
         """Consistency problems found (empty when consistent)."""
         return self.slots.check()

@@ -10,10 +10,20 @@ Environment overrides take the field path, upper-cased, with ``__`` between leve
 list indices as numbers: ``KVOFFLOAD_EVICTION=arc``,
 ``KVOFFLOAD_TIERS__0__CAPACITY=2GiB``. Values are parsed as YAML scalars.
 ``KVOFFLOAD_CONFIG`` names the file to load when none is given.
+
+Secrets: a plugin's settings field typed :class:`~pydantic.SecretStr` (the ``redis``
+tier's ``password`` and ``username``) is a secret. Once a plugin tier is validated it
+holds the plugin model's validated values of its own fields, so a secret is a
+``SecretStr`` in the tier too: masked in every ``repr``, ``str`` and JSON dump, and
+intact in a Python ``model_dump()`` (which re-validates, e.g. for ``kvoffload stress``'s
+replicas) and in the typed config the backend receives (:func:`resolve_tier_config`).
+A validation error about a secret field shows ``'**********'`` for its value, and an
+error that quotes a whole tier masks its secrets (:func:`_scrub`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import re
@@ -30,6 +40,9 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    Secret,
+    SecretBytes,
+    SecretStr,
     Tag,
     ValidationError,
     field_validator,
@@ -77,7 +90,13 @@ ByteSize = Annotated[
 """A byte count; accepts ints and strings like ``"512MiB"``; validated as positive."""
 
 _MODEL_CONFIG: Final = ConfigDict(
-    extra="forbid", use_attribute_docstrings=True, validate_default=True, frozen=True
+    extra="forbid",
+    use_attribute_docstrings=True,
+    validate_default=True,
+    frozen=True,
+    # A ValidationError's own text (seen by whoever validates a model directly; ours
+    # go through _format_errors) would quote whole tiers, secrets included.
+    hide_input_in_errors=True,
 )
 
 
@@ -177,6 +196,7 @@ class PluginTierConfig(TierConfig):
         use_attribute_docstrings=True,
         validate_default=True,
         frozen=True,
+        hide_input_in_errors=True,
         json_schema_extra=lambda schema: _exclude_builtins(schema),
     )
 
@@ -188,14 +208,32 @@ class PluginTierConfig(TierConfig):
             raise _tier_error(("backend",), self.backend, str(exc)) from None
         if model is not TierConfig and model is not PluginTierConfig:
             # Validate with the plugin's own model so its typos and bad values are
-            # reported like ours; the validated copy is what the backend receives.
+            # reported like ours; a validated copy is what the backend receives
+            # (resolve_tier_config).
             try:
-                model.model_validate(self.model_dump())
+                typed = model.model_validate(self.model_dump())
             except ValidationError as exc:
                 err = exc.errors()[0]
                 loc = tuple(err["loc"])
                 allowed = list(model.model_fields) if len(loc) == 1 else None
-                raise _tier_error(loc, err.get("input"), err["msg"], err["type"], allowed) from None
+                value, msg = err.get("input"), err["msg"]
+                secrets = secret_fields(model)
+                if loc and loc[0] in secrets:
+                    value = SECRET_MASK
+                    if err["type"] == "string_type":
+                        msg += " (quote it in YAML; the value is not shown)"
+                else:
+                    value = _scrub(value, secrets)
+                raise _tier_error(loc, value, msg, err["type"], allowed) from None
+            # Hold the plugin's validated values of its own fields from now on: a
+            # secret is then a SecretStr here too (masked in reprs and JSON dumps), and
+            # what the plugin moved out of a printable field (credentials out of a url)
+            # is out of it here as well. Re-validating them gives the same config.
+            extra = self.__pydantic_extra__
+            if extra is not None:
+                for name in model.model_fields.keys() - TierConfig.model_fields.keys():
+                    if name in extra or name in typed.model_fields_set:
+                        extra[name] = getattr(typed, name)
         elif self.model_extra:
             key = sorted(self.model_extra)[0]
             raise _tier_error(
@@ -205,6 +243,52 @@ class PluginTierConfig(TierConfig):
                 "which takes only name, backend and capacity",
             )
         return self
+
+
+SECRET_MASK: Final = "**********"
+"""What an error shows for a secret's value (pydantic's own mask)."""
+_SECRET_TYPES: Final = (SecretStr, SecretBytes, Secret)
+_SECRET_NAME: Final = re.compile(r"pass|secret|token", re.IGNORECASE)
+"""Keys masked in a quoted mapping whatever its tier (an unknown plugin's, say)."""
+_URL_CREDENTIALS: Final = re.compile(r"(://)[^/?#\s]*@")
+
+
+def secret_fields(model: type[BaseModel]) -> frozenset[str]:
+    """The fields of ``model`` typed as a pydantic secret (``SecretStr``, optional or
+    not): what no error message, repr or log may show."""
+    return frozenset(
+        name for name, field in model.model_fields.items() if _is_secret(field.annotation)
+    )
+
+
+def _is_secret(annotation: Any) -> bool:
+    if isinstance(annotation, type) and issubclass(annotation, _SECRET_TYPES):
+        return True
+    return any(_is_secret(arg) for arg in typing.get_args(annotation))
+
+
+def _scrub(value: Any, secrets: frozenset[str] = frozenset()) -> Any:
+    """``value`` as an error may quote it: in every mapping inside it, the values of
+    secret keys masked (``secrets``, the tier's plugin's own, found from its
+    ``backend`` where not given, and any key named like a password or token), and
+    credentials cut out of url-like strings. Other values are returned as they are."""
+    if isinstance(value, str):
+        return _URL_CREDENTIALS.sub(r"\1***@", value)
+    if isinstance(value, list | tuple):
+        return type(value)(_scrub(v, secrets) for v in value)
+    if not isinstance(value, Mapping):
+        return value
+    hidden = set(secrets)
+    backend = value.get("backend")
+    if isinstance(backend, str) and backend not in _BUILTIN_TIERS:
+        with contextlib.suppress(RegistryError):  # an unknown backend: names only
+            hidden |= secret_fields(plugin_config_model(backend))
+    return {
+        k: SECRET_MASK
+        if v is not None and (k in hidden or (isinstance(k, str) and _SECRET_NAME.search(k)))
+        else _scrub(v)
+        for k, v in value.items()
+    }
 
 
 def _tier_error(
@@ -717,7 +801,7 @@ def _format_errors(
         elif etype == "missing":
             messages.append(f"{source}: {path}: required field is missing")
         else:
-            messages.append(f"{source}: {path} = {_short(value)}: {msg}")
+            messages.append(f"{source}: {path} = {_short(_scrub(value))}: {msg}")
     first = messages[0]
     if len(messages) > 1:
         first += f" (and {len(messages) - 1} more: " + "; ".join(messages[1:]) + ")"

@@ -56,7 +56,7 @@ from kvoffload.jobs import Jobs, ignore_result
 from kvoffload.keys import BlockKey
 from kvoffload.layout import KVLayout
 from kvoffload.manager import OffloadingEvent
-from kvoffload.metrics import tier_values
+from kvoffload.metrics import BACKEND_METRICS, tier_values
 from kvoffload.plans import LoadPlan as LoadPlan
 from kvoffload.plans import PrefetchStats as PrefetchStats
 from kvoffload.plans import TierStats as TierStats
@@ -111,7 +111,6 @@ class Offloader:
             depth=lambda t: self._workers[t].pending("store"),
             discard=lambda t, slots: self.tiers[t].backend.discard(slots),
         )
-        self.stats: list[TierStats] = self._books.stats
         self.prefetch_stats: PrefetchStats = self._books.prefetch_stats
         try:
             for cfg in self.tier_configs:
@@ -305,6 +304,25 @@ class Offloader:
                 f"{t.name}: {p}" for t in self.tiers for p in t.manager.check() + t.backend.check()
             ]
 
+    @property
+    def stats(self) -> list[TierStats]:
+        """Every tier's live counters (the books' own objects, in tier order), with the
+        counters the backends keep themselves (round trips, server errors) brought up
+        to date first. Read field by field while the lanes run, a value may be a
+        transaction behind; :meth:`counters` is the consistent snapshot."""
+        with self._books.lock:
+            self._pull_backend_counters()
+        return self._books.stats
+
+    def _pull_backend_counters(self) -> None:
+        """Copy each backend's :meth:`~kvoffload.backend.Backend.io_counters` into its
+        tier's stats (under the books' lock, so that two readers never write them out
+        of order). One way only: the backend counts, the stats mirror it."""
+        for tier, stats in zip(self.tiers, self._books.stats, strict=True):
+            for name, value in tier.backend.io_counters().items():
+                if name in BACKEND_METRICS:
+                    setattr(stats, name, value)
+
     def counters(self) -> tuple[dict[str, dict[str, int | float]], PrefetchStats]:
         """Every tier's counters (by tier name, see :func:`~kvoffload.metrics.tier_values`)
         and the prefetch counters, as one consistent snapshot. The lane threads (and
@@ -312,7 +330,8 @@ class Offloader:
         fields per transaction, so they are read under it too: read field by field from
         another thread (a stats poll), a snapshot could hold half a transaction."""
         with self._books.lock:
-            tiers = {t.name: tier_values(t) for t in self.stats}
+            self._pull_backend_counters()
+            tiers = {t.name: tier_values(t) for t in self._books.stats}
             return tiers, replace(self.prefetch_stats)
 
     def take_events(self) -> list[tuple[Tier, OffloadingEvent]]:

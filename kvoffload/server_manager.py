@@ -13,8 +13,11 @@ since a pin cannot stop another engine's server from evicting; a block gone by t
 time it is read is a miss, which the read's verification reports like any other.
 
 What the manager does keep is the writes in flight (so the same block is not queued
-twice) and the blocks this process stored since the last answer (so a lookup right
-after a store sees them). Slots are nominal: the backend addresses values by key.
+twice), the blocks this process stored since the last answer (so a lookup right after
+a store sees them), and a bounded memory of blocks the server said it had: those are
+not written back when a hit promoted from the server is copied down again (a stale
+memory costs a miss later, never data). Slots are nominal: the backend addresses
+values by key.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ NOMINAL_SLOT = 0
 RECENT_STORES = 4096
 """Blocks this process stored that a lookup counts as held before the server's next
 answer about them (bounded: older ones are the server's word only)."""
+SEEN = 65536
+"""Blocks the server reported, remembered so that they are not written again."""
 
 
 class KeyedStore(Protocol):
@@ -55,6 +60,7 @@ class ServerBookedManager(OffloadingManager):
         self._answer: dict[BlockKey, bool] = {}
         self._writing: set[BlockKey] = set()
         self._recent: dict[BlockKey, None] = {}  # insertion-ordered, bounded
+        self._seen: dict[BlockKey, None] = {}  # insertion-ordered, bounded
 
     # -- asking the server ---------------------------------------------------------------
     def refresh(self, keys: Sequence[BlockKey]) -> bool:
@@ -73,6 +79,7 @@ class ServerBookedManager(OffloadingManager):
             for key in keys:  # the server's word is newer than our memory of a store
                 self._recent.pop(key, None)
             self._answer = answer
+            _remember(self._seen, [k for k, found in answer.items() if found], SEEN)
         return True
 
     @property
@@ -90,7 +97,12 @@ class ServerBookedManager(OffloadingManager):
 
     def holds(self, key: BlockKey) -> bool:
         with self._lock:
-            return key in self._writing or bool(self._answer.get(key)) or key in self._recent
+            return (
+                key in self._writing
+                or bool(self._answer.get(key))
+                or key in self._recent
+                or key in self._seen
+            )
 
     def idle(self, key: BlockKey) -> bool:
         return self.ready(key)
@@ -125,11 +137,8 @@ class ServerBookedManager(OffloadingManager):
         with self._lock:
             self._writing.difference_update(keys)
             if success:
-                for key in keys:
-                    self._recent.pop(key, None)
-                    self._recent[key] = None
-                while len(self._recent) > RECENT_STORES:
-                    del self._recent[next(iter(self._recent))]
+                _remember(self._recent, keys, RECENT_STORES)
+                _remember(self._seen, keys, SEEN)
 
     def remove(self, keys: Sequence[BlockKey]) -> list[int]:
         """Forget ``keys`` here; the server's copies are left alone (another engine may
@@ -138,6 +147,7 @@ class ServerBookedManager(OffloadingManager):
             for key in keys:
                 self._answer.pop(key, None)
                 self._recent.pop(key, None)
+                self._seen.pop(key, None)
         return []
 
     def take_events(self) -> list[OffloadingEvent]:
@@ -147,3 +157,12 @@ class ServerBookedManager(OffloadingManager):
     def check(self) -> list[str]:
         """Nothing to cross-check: the books are the server's."""
         return []
+
+
+def _remember(memory: dict[BlockKey, None], keys: Sequence[BlockKey], cap: int) -> None:
+    """Add ``keys`` as the newest of ``memory``, forgetting the oldest past ``cap``."""
+    for key in keys:
+        memory.pop(key, None)
+        memory[key] = None
+    while len(memory) > cap:
+        del memory[next(iter(memory))]

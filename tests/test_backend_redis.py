@@ -292,6 +292,31 @@ def test_layouts_never_mix(deployment: Deployment, make: Callable[..., RedisBack
     assert _read(rank0, keys)[0] == [True] * 8
 
 
+def test_scan_lists_this_layouts_keys_on_every_master(
+    deployment: Deployment, make: Callable[..., RedisBackend]
+) -> None:
+    """What ``kvoffload inspect`` and ``verify`` list: every key of this prefix and
+    layout, from each master of a cluster, in batches; nothing of another layout, and
+    no name under the pattern that is not a block key."""
+    be = make(**deployment.settings)
+    other = make(MID, key_prefix=be.redis_config.key_prefix, **deployment.settings)
+    keys = _keys(150, salt=11)
+    _write(be, keys, _payload(150, seed=11))
+    _write(other, keys[:5], torch.zeros((5, MID.bytes_per_block), dtype=torch.uint8))
+    with deployment.raw() as raw:
+        raw.set(be.redis_key(b"") + b"not-hex", b"x")
+    batches = list(be.scan(batch=64))
+    assert all(0 < len(b) <= 64 for b in batches)
+    found = [k for b in batches for k in b]
+    assert sorted(found) == sorted(keys)
+    info = be.server_info()
+    assert info["nodes"] == len(deployment.servers)
+    assert info["maxmemory_policy"] == "allkeys-lru"
+    assert info["used_memory"] > 150 * LAYOUT.bytes_per_block
+    assert info["key_prefix"] == be.redis_config.key_prefix
+    assert be.io_counters()["round_trips"] == be.round_trips
+
+
 def test_ttl_is_honoured(standalone: Deployment, make: Callable[..., RedisBackend]) -> None:
     be = make(ttl_s=1, **standalone.settings)
     forever = make(**standalone.settings)

@@ -72,6 +72,7 @@ def test_run_bench_without_persistent_tier(tmp_path: Path) -> None:
         config, reps=1, trace=trace, manager_capacity=100, cpu_total_bytes=1024 * 1024
     )
     assert report["tiers"] == []  # the cpu tier is not persistent: no disk rows
+    assert report["redis"] == []  # no redis tier: no server is contacted
     assert report["manager"]["requests"] == 50
     for key in (
         "cpu_gather_ratio",

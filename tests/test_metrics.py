@@ -76,6 +76,30 @@ def test_tier_stats_are_the_declared_counters_plus_latency_samples() -> None:
     assert all(type(v) is TIER_METRIC[k].type for k, v in tier_values(stats).items())
 
 
+def test_backend_counted_metrics_reach_the_stats_from_io_counters(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The counters a backend keeps itself (``source="backend"``) are copied from its
+    ``io_counters`` whenever the stats are read; names it does not declare are not."""
+    from kvoffload.config import load_config
+    from kvoffload.layout import KVLayout
+    from kvoffload.metrics import BACKEND_METRICS
+
+    assert {"round_trips", "server_errors"} <= BACKEND_METRICS
+    assert all(TIER_METRIC[n].source == "backend" for n in BACKEND_METRICS)
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4)
+    config = load_config({"tiers": [{"name": "cpu", "capacity": 8 * layout.bytes_per_block}]})
+    with offloader.Offloader(config, layout) as off:
+        assert off.counters()[0]["cpu"]["round_trips"] == 0  # a local medium: none
+        io = {"round_trips": 7, "server_errors": 2, "hits": 99, "bogus": 1}
+        monkeypatch.setattr(off.tiers[0].backend, "io_counters", lambda: dict(io))
+        tiers, _ = off.counters()
+        assert (tiers["cpu"]["round_trips"], tiers["cpu"]["server_errors"]) == (7, 2)
+        assert tiers["cpu"]["hits"] == 0  # the books' counters are the books'
+        io["round_trips"] = 9
+        assert off.stats[0].round_trips == 9
+
+
 # ------------------------------------------------------------------ stress report
 def test_stress_report_and_its_json_carry_every_counter() -> None:
     from kvoffload.tools.stress import StressReport, TierReport

@@ -100,6 +100,7 @@ def test_cpu_then_redis_cascade_and_promotion(server: RedisServer) -> None:
         assert off.lookup(wanted) == 8  # the server has them
         assert _claim_and_load(off, wanted) == 8
         assert off.stats[0].promotions >= 4  # prefetched up, then loaded from cpu
+        assert off.stats[1].blocks_stored == 16  # not written back where they came from
         assert off.check() == []
         assert off.pinned() == [0, 0]
 
@@ -133,8 +134,14 @@ def test_a_lookup_is_one_round_trip(server: RedisServer) -> None:
         backend: Any = off.tiers[1].backend
         off.lookup(keys[:1])  # connect (the handshake is a few round trips of its own)
         before = backend.round_trips
+        trips = off.counters()[0]["shared"]["round_trips"]
         assert off.lookup(keys) == 0
         assert backend.round_trips - before == 1
+        # ... and the tier's stats count it (the cpu tier has no server: 0).
+        tiers, _ = off.counters()
+        assert tiers["shared"]["round_trips"] - trips == 1
+        assert off.stats[1].round_trips == backend.round_trips
+        assert tiers["cpu"]["round_trips"] == tiers["cpu"]["server_errors"] == 0
 
 
 def test_a_shared_server_cannot_be_the_first_tier(server: RedisServer) -> None:
@@ -167,11 +174,13 @@ def test_server_down_killed_and_restarted(tmp_path: Path) -> None:
                     break
                 assert time.monotonic() - t0 < 5, "the server's return went unnoticed"
                 time.sleep(0.05)
+            server_errors = off.stats[1].server_errors
             srv.kill()  # mid-run
             gone = _keys(8, 7)
             _store(off, gone)  # nothing raises; the failures are counted
             errors = off.stats[1].store_errors
             assert errors > 0
+            assert off.stats[1].server_errors > server_errors  # the tier's stat
             assert _claim_and_load(off, gone) == 8  # from the cpu tier
             srv.start()  # same port
             back = time.monotonic()
@@ -189,3 +198,24 @@ def test_server_down_killed_and_restarted(tmp_path: Path) -> None:
             assert off.check() == []
         finally:
             srv.kill()
+
+
+def test_on_evict_and_admission_into_the_server(server: RedisServer) -> None:
+    """``on_evict``: blocks reach the server only when the cpu tier evicts them; with
+    ``admit_after_hits: 1`` only blocks loaded once before are let in."""
+    with _offloader([_cpu(8), _redis(server, write_policy="on_evict")]) as off:
+        first = _keys(8, 20)
+        _store(off, first)
+        assert off.stats[1].blocks_stored == 0  # nothing evicted yet
+        _store(off, _keys(8, 21))  # evicts `first` down to the server
+        assert off.stats[1].blocks_stored == 8
+        assert _claim_and_load(off, first) == 8
+    with _offloader([_cpu(8), _redis(server, key_prefix="adm", admit_after_hits=1)]) as off:
+        keys = _keys(8, 22)
+        _store(off, keys)
+        assert off.stats[1].blocks_stored == 0
+        assert off.stats[1].not_admitted == 8
+        assert _claim_and_load(off, keys) == 8  # a hit from the cpu tier: counted
+        _store(off, _keys(8, 23))
+        _store(off, keys)  # stored again after one load: admitted this time
+        assert off.stats[1].blocks_stored > 0

@@ -112,7 +112,9 @@ def layout_from_vllm(vllm_config: VllmConfig) -> KVLayout:
 
 def _per_rank(config: KVOffloadConfig, rank: int) -> KVOffloadConfig:
     """``config`` with every tier ``path`` moved into a ``rank<r>`` subdirectory."""
-    raw = config.model_dump(mode="json")
+    # A Python dump, not JSON: a JSON dump masks secrets (a redis tier's password
+    # becomes "**********"), and this one is validated again.
+    raw = config.model_dump()
     for tier in raw["tiers"]:
         if tier.get("path"):
             tier["path"] = str(Path(tier["path"]) / f"rank{rank}")

@@ -24,6 +24,12 @@ tier left open keeps its pages mapped, and mapped pages are not dropped); otherw
 buffered tier's load figure is the page cache's, and the report says so. Runs in its
 own process, not beside an engine.
 
+A ``redis`` tier (:mod:`kvoffload.tools.bench_redis`) is measured against its own
+server instead of a disk: the tier's store and load beside a raw pipelined ``SET`` /
+``GET`` loop of plain redis-py with values of the same size, in the same run; rows
+under ``redis`` with ``redis_raw_set_gbps``, ``redis_raw_get_gbps``, ``store_vs_raw``
+and ``load_vs_raw``. Without a redis tier ``redis`` is an empty list.
+
 Two parts need no tier of the config and run first, whatever it holds (and alone with
 ``disk=False``), because they are seconds where the disk part is minutes:
 
@@ -205,8 +211,9 @@ def run_bench(
     cpu_total_bytes: int = 256 * 1024 * 1024,
 ) -> dict[str, Any]:
     """The manager and cpu parts, then (``disk``) every persistent tier at every block
-    size; the ``--json`` schema. ``trace`` defaults to the checkout's Mooncake slice;
-    when that is absent (an installed package) the manager figures are ``None``."""
+    size and every redis tier against raw redis-py; the ``--json`` schema. ``trace``
+    defaults to the checkout's Mooncake slice; when that is absent (an installed
+    package) the manager figures are ``None``."""
     report: dict[str, Any] = {"total_bytes": total_bytes, "reps": reps}
     if progress is not None:
         progress(f"manager: ours vs vLLM's LRU, {manager_capacity} blocks of capacity")
@@ -218,6 +225,7 @@ def run_bench(
         progress("cpu: gather / scatter vs a plain torch copy")
     report.update(bench_cpu(total_bytes=cpu_total_bytes, repeat=reps))
     report["tiers"] = _disk_rows(config, sizes, total_bytes, reps, progress) if disk else []
+    report["redis"] = _redis_rows(config, sizes, total_bytes, reps, progress) if disk else []
     report.update(_chain_part(config, total_bytes, progress) if disk else _NO_CHAIN)
     return report
 
@@ -258,7 +266,8 @@ def _disk_rows(
 ) -> list[dict[str, Any]]:
     rows = []
     for tier in config.resolved_tiers():
-        if not get_backend_class(tier.backend).persistent:
+        cls = get_backend_class(tier.backend)
+        if not cls.persistent or cls.server_booked:  # a shared server: see _redis_rows
             continue
         for size in sizes:
             if progress is not None:
@@ -271,4 +280,26 @@ def _disk_rows(
         v_store, v_load = row["vllm_fs_store_gbps"], row["vllm_fs_load_gbps"]
         row["store_vs_vllm_fs"] = row["store_gbps"] / v_store if v_store else None
         row["load_vs_vllm_fs"] = row["load_gbps"] / v_load if v_load else None
+    return rows
+
+
+def _redis_rows(
+    config: KVOffloadConfig,
+    sizes: Sequence[int],
+    total_bytes: int,
+    reps: int,
+    progress: Callable[[str], None] | None,
+) -> list[dict[str, Any]]:
+    tiers = [t for t in config.resolved_tiers() if t.backend == "redis"]
+    if not tiers:
+        return []
+    # Imported here: redis-py is an optional dependency (the ``redis`` extra).
+    from kvoffload.tools.bench_redis import bench_redis
+
+    rows = []
+    for tier in tiers:
+        for size in sizes:
+            if progress is not None:
+                progress(f"{tier.name} (redis) at {size // 1024} KiB vs raw SET/GET")
+            rows.append(bench_redis(tier, size, total_bytes, reps=reps))
     return rows

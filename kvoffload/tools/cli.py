@@ -3,10 +3,12 @@
 - ``kvoffload config validate FILE``: exit 0 with one OK line, or 2 with the error;
 - ``kvoffload config schema``: the config's JSON Schema;
 - ``kvoffload backends``: installed backends and where they come from;
-- ``kvoffload stress``: the seeded offload stress run (see :mod:`kvoffload.tools.stress`);
+- ``kvoffload stress``: the seeded offload stress run (see :mod:`kvoffload.tools.stress`),
+  ``--replicas N``: N processes sharing a server-booked (redis) tier;
 - ``kvoffload inspect`` / ``verify``: what persistent tiers hold, and whether it is intact;
 - ``kvoffload bench``: disk-tier throughput against raw O_DIRECT and vLLM's fs tier,
-  manager cost against vLLM's, gather/scatter against a plain copy;
+  the redis tier against raw redis-py ``SET``/``GET``, manager cost against vLLM's,
+  gather/scatter against a plain copy;
 - ``kvoffload snapshot export|import``: move a tier's blocks through a safetensors file.
 
 Expected failures (bad arguments, bad config, broken plugin) print one line on stderr
@@ -32,7 +34,8 @@ from kvoffload.metrics import TIER_METRICS
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from kvoffload.tools.stress import StressReport
+    from kvoffload.config import KVOffloadConfig
+    from kvoffload.tools.stress import ReplicaSetReport, StressReport
 
 logger = logging.getLogger("kvoffload")
 
@@ -106,6 +109,13 @@ def _parser() -> argparse.ArgumentParser:
         help="simulated model layout (stress.preset)",
     )
     st.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="run N replica processes (1-64) over one split request stream, sharing the "
+        "config's server-booked tier (redis); default 1",
+    )
+    st.add_argument(
         "--plot",
         type=_path,
         default=None,
@@ -132,7 +142,9 @@ def _parser() -> argparse.ArgumentParser:
         "--sizes", default="16KiB,64KiB,256KiB,2MiB", help="comma-separated block sizes"
     )
     bench.add_argument(
-        "--skip-disk", action="store_true", help="only the manager and cpu parts, no disk tier"
+        "--skip-disk",
+        action="store_true",
+        help="only the manager and cpu parts, no disk or redis tier",
     )
     bench.add_argument(
         "--trace", type=_path, default=None, help="JSONL trace (Mooncake) for the manager part"
@@ -235,12 +247,20 @@ def _stress(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from kvoffload.tools.stress import StressRunner
+    from kvoffload.tools.stress import MAX_REPLICAS, StressRunner, shared_tiers
 
     _check_positive("--ops", args.ops)
     _check_positive("--duration", args.duration)
     if args.concurrency is not None and args.concurrency < 1:
         raise _usage(f"--concurrency = {args.concurrency}: it must be at least 1")
+    replicas = 1 if args.replicas is None else args.replicas
+    if not 1 <= replicas <= MAX_REPLICAS:
+        raise _usage(f"--replicas = {replicas}: it must be between 1 and {MAX_REPLICAS}")
+    if replicas > 1 and args.plot is not None:
+        raise _usage(
+            f"--plot with --replicas {replicas}: the plot draws one process's run; "
+            "drop --plot, or run --replicas 1"
+        )
     if args.trace is not None and args.workload not in (None, "trace"):
         raise _usage(
             f"--trace {args.trace} with --workload {args.workload}: the trace would be "
@@ -273,6 +293,12 @@ def _stress(args: argparse.Namespace) -> int:
             config = load_config(raw, env={})
         except KVOffloadError as exc:  # name the flags, not the "<dict>" they went into
             raise _usage(f"{' '.join(flags)}: {str(exc).removeprefix('<dict>: ')}") from None
+    if replicas > 1 and not shared_tiers(config):
+        raise _usage(
+            f"--replicas {replicas}: no tier of the config is shared between processes; "
+            "add a tier whose books live on its server (backend: redis) below the cpu "
+            "tier, or run --replicas 1"
+        )
     if args.plot is not None:
         from kvoffload.tools.plot import require_matplotlib
 
@@ -282,6 +308,8 @@ def _stress(args: argparse.Namespace) -> int:
     console = Console()
     if not console.is_terminal:
         console = Console(width=200)  # logs and CI: do not squeeze the table to 80 columns
+    if replicas > 1:
+        return _stress_replicas(args, config, console, replicas, ops, duration)
     runner = StressRunner(config, seed=args.seed)
     try:
         console.print(
@@ -320,6 +348,56 @@ def _stress(args: argparse.Namespace) -> int:
     return EXIT_FAILED if report.integrity_errors else EXIT_OK
 
 
+def _stress_replicas(
+    args: argparse.Namespace,
+    config: KVOffloadConfig,
+    console: Console,
+    replicas: int,
+    ops: int,
+    duration: float,
+) -> int:
+    """``stress --replicas N`` (N > 1): N processes, one report each and their totals."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from kvoffload.tools.stress import run_replicas, shared_tiers
+
+    seed = config.stress.seed if args.seed is None else args.seed
+    local = [t.name for t in config.tiers if getattr(t, "path", None) is not None]
+    local = [name for name in local if name not in shared_tiers(config)]
+    console.print(
+        f"kvoffload stress: {replicas} replicas, each {len(config.tiers)} tier(s) "
+        f"({' -> '.join(t.name for t in config.tiers)}) sharing "
+        f"{', '.join(shared_tiers(config))}, {config.stress.workload} workload split "
+        f"between them, {config.stress.concurrency} in flight each, up to {ops} requests "
+        f"/ {duration:g} s each, seed {seed}"
+        + (f"; {', '.join(local)}: a directory per replica (PATH.replicaN)" if local else "")
+    )
+    show = not args.no_progress and console.is_terminal
+    with Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} requests"),
+        TimeElapsedColumn(),
+        console=console,
+        disable=not show,
+    ) as bar:
+        task = bar.add_task("stress", total=ops * replicas)
+        report = run_replicas(
+            config,
+            replicas=replicas,
+            ops=ops,
+            duration_s=duration,
+            seed=seed,
+            progress=lambda done, _t: bar.update(task, completed=done),
+        )
+    _print_replicas(console, report)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report.to_json(), indent=2) + "\n")
+        console.print(f"report written to {args.json}")
+    return EXIT_FAILED if report.integrity_errors else EXIT_OK
+
+
 def _maintenance(args: argparse.Namespace) -> int:
     from kvoffload.tools import maintenance
 
@@ -334,6 +412,14 @@ def _maintenance(args: argparse.Namespace) -> int:
             extra = ""
             if info.get("missing"):
                 extra = " (nothing written at its path yet)"
+            elif info.get("server_booked"):
+                limit = info["maxmemory"] or "no limit"
+                extra = (
+                    f" {info['bytes']} bytes under {info['key_prefix']}:"
+                    f"{info['fingerprint'][:12]}... at {info['server']}; server: "
+                    f"{info['used_memory']} bytes used of {limit} "
+                    f"({info['maxmemory_policy']}), {info['evicted_keys']} keys evicted"
+                )
             elif info.get("persistent"):
                 extra = (
                     f" {info['bytes']} bytes, {info['used']:.1%} of {info['capacity_blocks']}"
@@ -345,9 +431,10 @@ def _maintenance(args: argparse.Namespace) -> int:
     if args.command == "verify":
         counts = maintenance.verify_tiers(config, repair=args.repair)
         for name, c in counts.items():
+            gone = f", {c['gone']} gone (evicted meanwhile)" if "gone" in c else ""
             print(
                 f"{name}: {c['blocks']} blocks, {c['ok']} ok, {c['corrupt']} corrupt, "
-                f"{c['repaired']} repaired"
+                f"{c['repaired']} repaired{gone}"
             )
         _dump(args.json, counts)
         corrupt = sum(c["corrupt"] for c in counts.values())
@@ -432,6 +519,18 @@ def _bench(args: argparse.Namespace) -> int:
             f"{r['raw_write_gbps']:>6.2f} {r['store_vs_raw']:>6.2f} {_f(r['vllm_fs_store_gbps'])} "
             f"{_f(r['store_vs_vllm_fs'])} {r['load_gbps']:>6.2f} {r['raw_read_gbps']:>6.2f} "
             f"{r['load_vs_raw']:>6.2f} {_f(r['vllm_fs_load_gbps'])} {_f(r['load_vs_vllm_fs'])}"
+        )
+    if report["redis"]:
+        print(
+            f"{'tier':<10} {'block':>7} {'store':>6} {'raw set':>7} {'x raw':>6} "
+            f"{'load':>6} {'raw get':>7} {'x raw':>6}   (GB/s; raw: redis-py pipelined "
+            f"SET/GET, {report['redis'][0]['batch_blocks']} values per pipeline)"
+        )
+    for r in report["redis"]:
+        print(
+            f"{r['tier']:<10} {r['block_bytes'] // 1024:>5}Ki {r['store_gbps']:>6.2f} "
+            f"{r['redis_raw_set_gbps']:>7.2f} {r['store_vs_raw']:>6.2f} {r['load_gbps']:>6.2f} "
+            f"{r['redis_raw_get_gbps']:>7.2f} {r['load_vs_raw']:>6.2f}"
         )
     if not all(r["page_cache_dropped"] for r in report["tiers"]):
         print("note: could not drop the page cache (not root); buffered loads are cache reads")
@@ -537,4 +636,61 @@ def _print_report(console: Console, report: StressReport) -> None:
         ):
             summary.add_row(label, " / ".join(f"{r[key] / scale:.0f}" for r in picks))
     console.print(summary)
+    console.print(f"integrity errors: {report.integrity_errors}")
+
+
+def _print_replicas(console: Console, report: ReplicaSetReport) -> None:
+    """``stress --replicas``: hit rates and per-tier hits of each replica, their
+    totals, then every tier's counters summed over the replicas."""
+    from rich.table import Table
+
+    names = [t.name for t in report.reports[0].tiers]
+    table = Table(title="kvoffload stress: per replica")
+    for col in (
+        "replica",
+        "requests",
+        "duration",
+        "requested",
+        "loaded",
+        "hit rate",
+        *(f"{n} hits" for n in names),
+        "integrity errors",
+    ):
+        table.add_column(col, justify="right")
+    for i, r in enumerate(report.reports):
+        table.add_row(
+            str(i),
+            str(r.ops),
+            f"{r.duration_s:.1f} s",
+            str(r.blocks_requested),
+            str(r.blocks_loaded),
+            f"{r.hit_rate:.3f}",
+            *(str(t.hits) for t in r.tiers),
+            str(r.integrity_errors),
+        )
+    totals = report.tier_totals()
+    table.add_row(
+        "all",
+        str(report.ops),
+        f"{report.duration_s:.1f} s",
+        str(report.blocks_requested),
+        str(report.blocks_loaded),
+        f"{report.hit_rate:.3f}",
+        *(str(t["hits"]) for t in totals),
+        str(report.integrity_errors),
+        style="bold",
+    )
+    console.print(table)
+    columns = {m.name: m.column for m in TIER_METRICS if m.column is not None}
+    tiers = Table(title="kvoffload stress: per tier, summed over the replicas")
+    for col in ("tier", "backend", "shared", *columns.values()):
+        tiers.add_column(col, justify="left" if col in ("tier", "backend") else "right")
+    for t in totals:
+        tiers.add_row(
+            t["name"],
+            t["backend"],
+            "yes" if t["shared"] else "no",
+            *(_count(t[name]) for name in columns),
+        )
+    console.print(tiers)
     console.print(f"integrity errors: {report.integrity_errors}")

@@ -8,6 +8,14 @@ any persistent backend, built-in or third-party, gets these tools for free.
 Which layout a tier is opened with: the one stored in the tier (a persistent backend's
 ``stored_layout``), else the config's ``stress.layout``; a snapshot import into an
 empty tier adopts the snapshot's layout.
+
+A tier whose books live on a shared server (``server_booked``, the ``redis`` tier) has
+nothing to recover: its blocks are whatever the server holds under its key prefix and
+the layout's fingerprint, written by any number of engines, and another engine may be
+writing it while a tool looks. ``inspect`` and ``verify`` go through
+:class:`ServerStore` for it instead: ``scan`` lists the layout's keys in batches,
+``read`` verifies each value, ``exists`` tells a damaged value from one evicted
+meanwhile, and ``delete`` repairs.
 """
 
 from __future__ import annotations
@@ -15,10 +23,10 @@ from __future__ import annotations
 import json
 import logging
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Protocol, runtime_checkable
 
 import torch
 
@@ -36,6 +44,37 @@ logger = logging.getLogger(__name__)
 BATCH_BYTES: Final = 64 * 1024 * 1024
 """Bytes read per batch while scanning a tier: large I/Os, bounded memory."""
 SNAPSHOT_FORMAT: Final = "kvoffload-snapshot-v1"
+SCAN_KEYS: Final = 1000
+"""Keys listed per batch from a shared server (at most :data:`BATCH_BYTES` of values)."""
+
+
+@runtime_checkable
+class ServerStore(Protocol):
+    """What the tools need of a backend whose books are its server's (see the module
+    docs); :class:`~kvoffload.backends.redis.RedisBackend` implements it."""
+
+    def scan(self, batch: int) -> Iterator[list[BlockKey]]:
+        """This tier's (this layout's) keys on the server, ``batch`` at a time."""
+        ...
+
+    def exists(self, keys: Sequence[BlockKey]) -> list[bool]: ...
+
+    def delete(self, keys: Sequence[BlockKey]) -> int:
+        """Remove blocks; how many were there."""
+        ...
+
+    def server_info(self) -> dict[str, Any]:
+        """Where the server is (no credentials) and what it says of its memory."""
+        ...
+
+
+def _server_store(backend: Backend) -> ServerStore:
+    if not isinstance(backend, ServerStore):
+        raise ConfigError(
+            f"tier {backend.name!r}: its backend keeps its books on its server but has no "
+            "scan/delete/server_info, so inspect and verify cannot list its blocks"
+        )
+    return backend
 
 
 def tier_layout(tier: TierConfig, config: KVOffloadConfig) -> KVLayout:
@@ -94,6 +133,9 @@ def inspect_tiers(config: KVOffloadConfig) -> dict[str, dict[str, Any]]:
             report[tier.name] = {"backend": tier.backend, "persistent": False, "blocks": 0}
             continue
         layout = tier_layout(tier, config)
+        if cls.server_booked:
+            report[tier.name] = _inspect_server(tier, layout)
+            continue
         if cls.existing_config(tier, write=False) is None:
             report[tier.name] = {
                 "backend": tier.backend,
@@ -122,16 +164,41 @@ def inspect_tiers(config: KVOffloadConfig) -> dict[str, dict[str, Any]]:
     return report
 
 
+def _inspect_server(tier: TierConfig, layout: KVLayout) -> dict[str, Any]:
+    """A shared server's tier: this layout's blocks on it (counted with SCAN; a value
+    is not read, so ``bytes`` is what they take if intact, headers included), and what
+    the server says of its memory and evictions."""
+    with _open(tier, layout) as backend:
+        store = _server_store(backend)
+        blocks = sum(len(keys) for keys in store.scan(SCAN_KEYS))
+        return {
+            "backend": tier.backend,
+            "persistent": True,
+            "server_booked": True,
+            "missing": False,
+            "blocks": blocks,
+            "bytes": blocks * backend.slot_bytes(layout),
+            **store.server_info(),
+            "layout": layout.to_dict(),
+            "fingerprint": layout.fingerprint.hex(),
+        }
+
+
 # -------------------------------------------------------------------------- verify
 def verify_tiers(config: KVOffloadConfig, *, repair: bool = False) -> dict[str, dict[str, int]]:
     """Re-read every persisted block; ``{tier: {blocks, ok, corrupt, repaired}}``.
 
     With ``repair`` the corrupt blocks' records are discarded, so a reopen no longer
-    finds them (they were never served: loads verify too).
+    finds them (they were never served: loads verify too). A shared server's tier
+    (:func:`_verify_server`) also counts ``gone``: blocks listed but evicted or
+    expired before their read.
     """
     report: dict[str, dict[str, int]] = {}
     for tier in _persistent_tiers(config, None):
         layout = tier_layout(tier, config)
+        if get_backend_class(tier.backend).server_booked:
+            report[tier.name] = _verify_server(tier, layout, repair=repair)
+            continue
         if get_backend_class(tier.backend).existing_config(tier, write=False) is None:
             report[tier.name] = {"blocks": 0, "ok": 0, "corrupt": 0, "repaired": 0}
             continue
@@ -153,6 +220,35 @@ def verify_tiers(config: KVOffloadConfig, *, repair: bool = False) -> dict[str, 
     return report
 
 
+def _verify_server(tier: TierConfig, layout: KVLayout, *, repair: bool) -> dict[str, int]:
+    """Read and verify this layout's blocks on a shared server, a scan batch at a time.
+
+    A value that fails verification and is still there when asked again (``exists``)
+    is ``corrupt``: damaged, torn, of another format or another writer's; one that is
+    no longer there was evicted or expired meanwhile (``gone``, the normal life of a
+    shared cache). With ``repair`` the corrupt ones are deleted, so that engines stop
+    finding and re-reading them. Another engine may rewrite a key between the read and
+    the delete; deleting its fresh value costs one recomputed block, never data."""
+    counts = {"blocks": 0, "ok": 0, "corrupt": 0, "gone": 0, "repaired": 0}
+    bpb = layout.bytes_per_block
+    step = max(1, min(SCAN_KEYS, BATCH_BYTES // bpb))
+    with _open(tier, layout, write=repair) as backend:
+        store = _server_store(backend)
+        for keys in store.scan(step):
+            buf = torch.empty((len(keys), bpb), dtype=torch.uint8)
+            valid = backend.read(range(len(keys)), keys, buf)  # slots are nominal
+            bad = [k for k, ok in zip(keys, valid, strict=True) if not ok]
+            there = store.exists(bad) if bad else []
+            corrupt = [k for k, held in zip(bad, there, strict=True) if held]
+            counts["blocks"] += len(keys)
+            counts["ok"] += len(keys) - len(bad)
+            counts["corrupt"] += len(corrupt)
+            counts["gone"] += len(bad) - len(corrupt)
+            if repair and corrupt:
+                counts["repaired"] += store.delete(corrupt)
+    return counts
+
+
 # ------------------------------------------------------------------------ snapshots
 def export_snapshot(config: KVOffloadConfig, out: Path, tier_name: str | None = None) -> int:
     """Write every intact block of one persistent tier to a safetensors file.
@@ -167,6 +263,12 @@ def export_snapshot(config: KVOffloadConfig, out: Path, tier_name: str | None = 
         raise ConfigError("snapshot export: the config has no persistent tier (mmap, lmdb, ...)")
     tier = tiers[0]
     layout = tier_layout(tier, config)
+    if get_backend_class(tier.backend).server_booked:
+        raise ConfigError(
+            f"snapshot export: tier {tier.name!r} (backend {tier.backend!r}) keeps its "
+            "blocks on a shared server, which export does not read; name a local "
+            "persistent tier with --tier"
+        )
     if get_backend_class(tier.backend).existing_config(tier, write=False) is None:
         raise ConfigError(
             f"snapshot export: tier {tier.name!r} has nothing at path = "

@@ -14,6 +14,11 @@ at once. Each request takes pool blocks, then
 
 The caller's side of every submit is timed: that is the engine step's cost. A single
 differing byte in a loaded block is an integrity error and fails the run.
+
+:func:`run_replicas` (``--replicas N``) runs N such runners in processes of their own,
+each over its share of one seeded stream (:class:`~kvoffload.tools.workloads.ReplicaShare`),
+sharing the config's server-booked tiers: what one replica stored is a verified hit in
+another, and :class:`ReplicaSetReport` puts their reports side by side.
 """
 
 from __future__ import annotations
@@ -31,11 +36,11 @@ import torch
 
 from kvoffload.blockpool import BlockPool
 from kvoffload.config import KVOffloadConfig, StressConfig, layout_from_config
-from kvoffload.exceptions import BlockStateError, ConfigError
+from kvoffload.exceptions import BlockStateError, ConfigError, KVOffloadError
 from kvoffload.keys import BlockKey
 from kvoffload.metrics import TierCounters, tier_fields
 from kvoffload.offloader import LoadPlan, Offloader, TierStats
-from kvoffload.tools.workloads import Workload, make_workload
+from kvoffload.tools.workloads import ReplicaShare, Workload, make_workload
 from kvoffload.transfer import JobResult
 
 logger = logging.getLogger(__name__)
@@ -243,12 +248,25 @@ class _Request:
 class StressRunner:
     """Runs the workload through an :class:`Offloader`; see the module docstring."""
 
-    def __init__(self, config: KVOffloadConfig, *, seed: int | None = None) -> None:
+    def __init__(
+        self,
+        config: KVOffloadConfig,
+        *,
+        seed: int | None = None,
+        replica: int = 0,
+        replicas: int = 1,
+    ) -> None:
+        """``replica`` of ``replicas``: run only that replica's :class:`ReplicaShare`
+        of the stream (``kvoffload stress --replicas``); one replica runs all of it."""
         self.config = config
         self.cfg = config.stress
         self.seed = self.cfg.seed if seed is None else seed
         self.layout = layout_from_config(config)
         self.workload = workload_from_config(self.cfg, self.seed)
+        if replicas > 1:
+            self.workload = ReplicaShare(
+                self.workload, replica=replica, replicas=replicas, seed=self.seed
+            )
         n = self.workload.max_blocks
         if n > self.cfg.pool_blocks:
             raise ConfigError(
@@ -427,3 +445,253 @@ class StressRunner:
                 ],
             }
         )
+
+
+# -------------------------------------------------------------------------- replicas
+MAX_REPLICAS: Final = 64
+"""Most replica processes ``kvoffload stress --replicas`` starts."""
+
+REPLICAS_SCHEMA: Final = "kvoffload.stress.replicas/1"
+"""Version tag of the ``--json`` document of a run with ``--replicas`` above 1."""
+
+REPLICA_START_TIMEOUT_S: Final = 300.0
+"""How long a replica waits for the others to open their tiers before giving up."""
+
+
+def shared_tiers(config: KVOffloadConfig) -> list[str]:
+    """Names of ``config``'s tiers whose books live on their server
+    (:attr:`~kvoffload.backend.Backend.server_booked`): the tiers replicas share."""
+    from kvoffload.registry import get_backend_class
+
+    return [t.name for t in config.tiers if get_backend_class(t.backend).server_booked]
+
+
+def replica_config(config: KVOffloadConfig, replica: int) -> dict[str, Any]:
+    """``config`` as replica ``replica`` runs it, as a mapping for ``load_config``.
+
+    A local disk tier's directory takes one writer process, so each replica's goes to
+    a directory of its own, the tier's ``path`` suffixed ``.replica<R>``; the shared
+    (server-booked) tiers and the cpu tier are as configured."""
+    from kvoffload.registry import get_backend_class
+
+    raw = config.model_dump()
+    # Only what was set: a preset and the default layout both dumped would conflict.
+    raw["stress"] = config.stress.model_dump(exclude_unset=True)
+    for tier_raw, tier in zip(raw["tiers"], config.tiers, strict=True):
+        path = tier_raw.get("path")
+        if isinstance(path, str) and not get_backend_class(tier.backend).server_booked:
+            tier_raw["path"] = f"{os.path.normpath(path)}.replica{replica}"
+    return raw
+
+
+@dataclass
+class ReplicaSetReport:
+    """Outcome of ``kvoffload stress --replicas N``: each replica process's
+    :class:`StressReport` (``reports[r]``) and their totals. :meth:`to_json` is the
+    ``--json`` document; docs/config.md ("stress report") describes it."""
+
+    reports: list[StressReport]
+    shared: list[str]
+    """Names of the tiers the replicas share (server-booked)."""
+
+    @property
+    def ops(self) -> int:
+        return sum(r.ops for r in self.reports)
+
+    @property
+    def duration_s(self) -> float:
+        return max(r.duration_s for r in self.reports)
+
+    @property
+    def blocks_requested(self) -> int:
+        return sum(r.blocks_requested for r in self.reports)
+
+    @property
+    def blocks_loaded(self) -> int:
+        return sum(r.blocks_loaded for r in self.reports)
+
+    @property
+    def integrity_errors(self) -> int:
+        return sum(r.integrity_errors for r in self.reports)
+
+    @property
+    def hit_rate(self) -> float:
+        """Loaded / requested blocks over every replica's requests."""
+        asked = self.blocks_requested
+        return self.blocks_loaded / asked if asked else 0.0
+
+    def tier_totals(self) -> list[dict[str, Any]]:
+        """Per tier: its identity (replica 0's), ``shared``, and every counter summed
+        over the replicas (each replica counts its own traffic, so for a shared tier
+        the sum is the traffic the server saw from all of them)."""
+        from kvoffload.metrics import TIER_IDENTITY, TIER_METRICS
+
+        out = []
+        for i, first in enumerate(self.reports[0].tiers):
+            row: dict[str, Any] = {name: getattr(first, name) for name in TIER_IDENTITY}
+            row["shared"] = first.name in self.shared
+            for m in TIER_METRICS:
+                row[m.name] = sum(getattr(r.tiers[i], m.name) for r in self.reports)
+            out.append(row)
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        first = self.reports[0]
+        return {
+            "schema": REPLICAS_SCHEMA,
+            "replica_count": len(self.reports),
+            "seed": first.seed,
+            "workload": first.workload,
+            "concurrency": first.concurrency,
+            "layout": first.layout,
+            "bytes_per_block": first.bytes_per_block,
+            "shared_tiers": list(self.shared),
+            "ops": self.ops,
+            "duration_s": self.duration_s,
+            "blocks_requested": self.blocks_requested,
+            "blocks_loaded": self.blocks_loaded,
+            "blocks_stored": sum(r.blocks_stored for r in self.reports),
+            "stores_dropped": sum(r.stores_dropped for r in self.reports),
+            "integrity_errors": self.integrity_errors,
+            "hit_rate": self.hit_rate,
+            "tiers": self.tier_totals(),
+            "replicas": [{"replica": i, **r.to_json()} for i, r in enumerate(self.reports)],
+        }
+
+
+def run_replicas(
+    config: KVOffloadConfig,
+    *,
+    replicas: int,
+    ops: int,
+    duration_s: float,
+    seed: int | None = None,
+    progress: ProgressFn | None = None,
+) -> ReplicaSetReport:
+    """Run ``replicas`` stress processes that share ``config``'s server-booked tiers.
+
+    Each is a fresh process (``spawn``) with its own tiers above the shared ones (its
+    own cpu tier; its own directory for a local disk tier, see :func:`replica_config`)
+    running its :class:`~kvoffload.tools.workloads.ReplicaShare` of the one seeded
+    stream, ``ops`` requests or ``duration_s`` seconds. They open their tiers, wait
+    for each other, and start together. ``progress`` gets the requests done by all of
+    them. A replica that fails (its config, its tiers' consistency check, a crash)
+    raises :class:`~kvoffload.exceptions.KVOffloadError` naming it, once all have ended.
+    """
+    import multiprocessing
+    from multiprocessing.connection import wait
+
+    from kvoffload.config import load_config
+
+    if not 1 <= replicas <= MAX_REPLICAS:
+        raise ConfigError(f"replicas = {replicas}: it must be between 1 and {MAX_REPLICAS}")
+    shared = shared_tiers(config)
+    if replicas > 1 and not shared:
+        raise ConfigError(
+            f"{replicas} replicas need a tier they share: add one whose books live on its "
+            "server (backend: redis) below the cpu tier"
+        )
+    seed = config.stress.seed if seed is None else seed
+    raws = [replica_config(config, r) for r in range(replicas)]
+    for raw in raws:
+        load_config(raw, env={})  # a bad per-replica path fails here, once
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(replicas)
+    done = ctx.Array("q", replicas, lock=False)
+    level = logging.getLogger().getEffectiveLevel()
+    procs, pipes = [], []
+    for r, raw in enumerate(raws):
+        reader, writer = ctx.Pipe(duplex=False)
+        proc = ctx.Process(
+            target=_replica_main,
+            args=(raw, r, replicas, seed, ops, duration_s, barrier, done, writer, level),
+            name=f"kvoffload-stress-replica-{r}",
+            daemon=True,
+        )
+        proc.start()
+        writer.close()  # the child's end: EOF here once it exits
+        procs.append(proc)
+        pipes.append(reader)
+    results: dict[int, tuple[str, Any]] = {}
+    start = time.perf_counter()
+    try:
+        waiting = dict(enumerate(pipes))
+        while waiting:
+            for ready in wait(list(waiting.values()), timeout=0.25):
+                r = next(i for i, p in waiting.items() if p is ready)
+                pipe = waiting.pop(r)
+                try:
+                    results[r] = pipe.recv()
+                except EOFError:
+                    procs[r].join(timeout=10)
+                    results[r] = ("error", f"exited with code {procs[r].exitcode} and no report")
+            if progress is not None:
+                progress(sum(done), time.perf_counter() - start)
+        for proc in procs:
+            proc.join(timeout=30)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for pipe in pipes:
+            pipe.close()
+    failed = [
+        f"replica {r}: {msg}" for r, (kind, msg) in sorted(results.items()) if kind == "error"
+    ]
+    if not failed:  # only the replicas that gave up waiting for a crashed one
+        failed = [
+            f"replica {r}: {msg}" for r, (kind, msg) in sorted(results.items()) if kind != "ok"
+        ]
+    if failed:
+        raise KVOffloadError("; ".join(failed))
+    return ReplicaSetReport([results[r][1] for r in range(replicas)], shared)
+
+
+def _replica_main(
+    raw: dict[str, Any],
+    replica: int,
+    replicas: int,
+    seed: int,
+    ops: int,
+    duration_s: float,
+    barrier: Any,
+    done: Any,
+    out: Any,
+    log_level: int,
+) -> None:
+    """One replica process of :func:`run_replicas`: sends ``("ok", StressReport)`` or
+    ``("error", one-line message)`` through ``out``."""
+    import threading
+
+    from kvoffload.config import load_config
+
+    logging.basicConfig(
+        level=log_level,
+        format=f"%(asctime)s %(levelname)s %(name)s: replica {replica}: %(message)s",
+    )
+    runner: StressRunner | None = None
+    try:
+        try:
+            config = load_config(raw, env={})
+            runner = StressRunner(config, seed=seed, replica=replica, replicas=replicas)
+        except Exception:
+            barrier.abort()  # the others stop waiting for us
+            raise
+        barrier.wait(timeout=REPLICA_START_TIMEOUT_S)
+
+        def tick(n: int, _t: float) -> None:
+            done[replica] = n
+
+        report = runner.run(ops=ops, duration_s=duration_s, progress=tick)
+        out.send(("ok", report))
+    except threading.BrokenBarrierError:
+        out.send(("broken", "another replica failed to start"))
+    except Exception as exc:  # sent to the parent as one line
+        logger.debug("replica %d failed", replica, exc_info=True)
+        text = str(exc) if isinstance(exc, KVOffloadError) else f"{type(exc).__name__}: {exc}"
+        out.send(("error", " ".join(text.split())))
+    finally:
+        if runner is not None:
+            runner.close()
+        out.close()

@@ -14,6 +14,9 @@ Built-in workloads, by :func:`make_workload` name:
 - ``multiturn``: chat sessions growing turn by turn, each request the whole history;
 - ``scan``: no reuse at all, the worst case (hit ratio 0);
 - ``trace``: a replay of a Mooncake-format JSONL trace (``tests/data/README.md``).
+
+:class:`ReplicaShare` wraps any of them: one replica's share of a stream that several
+replicas split (``kvoffload stress --replicas N``).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from kvoffload.keys import ROOT_KEY, BlockKey, chain_key
 __all__ = [
     "WORKLOADS",
     "MultiTurnWorkload",
+    "ReplicaShare",
     "ScanWorkload",
     "TraceWorkload",
     "Workload",
@@ -397,6 +401,67 @@ def _parse_trace_line(path: Path, lineno: int, line: str) -> tuple[int, ...]:
 def _short(value: Any) -> str:
     text = json.dumps(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+# ------------------------------------------------------------------------ replicas
+@final
+class ReplicaShare(Workload):
+    """Replica ``replica``'s share of a request stream that ``replicas`` replicas split.
+
+    Every replica builds the same ``stream`` (same workload, same seed), and a router
+    seeded with ``seed`` alone sends each request of it to one replica drawn uniformly
+    at random, as a load balancer without prefix affinity would. The shares are
+    disjoint, together (interleaved in stream order) they are the whole stream, and
+    they ask for the same prefixes (a ``zipf`` prompt, a ``multiturn`` session whose
+    turns land on different replicas): what one replica computed is worth a hit in
+    another exactly as often as in one replica that saw the whole stream.
+
+    The router draws from its own generator (not the stream's, whose draws it would
+    repeat), so a request's replica is independent of what it asks for. A replica
+    generates and skips the other replicas' requests: ``replicas`` times the work of
+    the stream alone, which is pure Python and small beside the tiers.
+    """
+
+    name = "share"
+
+    def __init__(self, stream: Workload, *, replica: int, replicas: int, seed: int = 0) -> None:
+        _at_least("replicas", replicas)
+        if isinstance(replica, bool) or not isinstance(replica, int) or not 0 <= replica < replicas:
+            raise ValueError(f"replica must be an integer in 0..{replicas - 1}, got {replica!r}")
+        self.stream = stream
+        self.replica = replica
+        self.replicas = replicas
+        self.max_blocks = stream.max_blocks
+        self._router = random.Random(b"kvoffload-router:%d" % seed)
+        self._ahead: list[BlockKey] | None = None  # our next request, already drawn
+        self.position = 0
+        """Requests of the whole stream drawn so far (every replica's)."""
+
+    def _draw(self) -> None:
+        while self._ahead is None and not self.stream.exhausted:
+            keys = self.stream.next()
+            self.position += 1
+            if self._router.randrange(self.replicas) == self.replica:
+                self._ahead = keys
+
+    @property
+    def finite(self) -> bool:
+        return self.stream.finite
+
+    @property
+    def exhausted(self) -> bool:
+        self._draw()
+        return self._ahead is None
+
+    def next(self) -> list[BlockKey]:
+        self._draw()
+        if self._ahead is None:
+            raise IndexError(
+                f"replica {self.replica}'s share is exhausted after {self.position} requests "
+                "of the stream; check .exhausted first"
+            )
+        keys, self._ahead = self._ahead, None
+        return keys
 
 
 # ------------------------------------------------------------------------ registry

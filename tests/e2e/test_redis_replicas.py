@@ -1,0 +1,131 @@
+"""Issue 14, end to end: two vLLM engines (separate processes) share one real Redis.
+
+Engine A (CPU build, the dummy-weight tiny Llama, run through ``engine_run.py`` as in
+``test_verified_hits.py``) serves a batch over ``cpu -> redis``: its blocks are written
+through to a ``redis-server`` on a loopback port. Engine B is a fresh process with an
+empty cpu tier of its own: the same batch is a hit for it, served from the server, and
+both engines' outputs equal those of an engine without the connector. Then the server
+is killed and engine C runs the batch once more: every block is recomputed, no
+request fails, and the errors of the dead server are counted.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))  # tests/: redisserver
+from redisserver import RedisServer, require_redis  # noqa: E402
+from test_verified_hits import (  # noqa: E402
+    BATCH,
+    BATCH_BLOCKS,
+    _failures,
+    _outputs,
+    _run,
+    _tiers,
+    reference,  # noqa: F401 - the fixture: the batch's outputs without the connector
+)
+
+
+def _redis_tiers(server: RedisServer) -> dict[str, Any]:
+    """cpu -> redis (write_through), room in both store queues for a whole batch."""
+    conn = _tiers(None)
+    conn["config"]["tiers"].append(
+        {
+            "name": "redis",
+            "backend": "redis",
+            "url": server.url(),
+            "capacity": "256MiB",
+            "max_pending_stores": 256,
+            "socket_timeout_ms": 1000,
+            "connect_timeout_ms": 500,
+        }
+    )
+    return conn
+
+
+@pytest.fixture(scope="module")
+def engine_a(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, RedisServer, Any]]:
+    """A real server, and engine A's run of the batch over it (its own process). The
+    engines after it run in the same directory: the same model path, so the same key
+    namespace (the connector's keys name the model as vLLM was given it)."""
+    require_redis()
+    tmp = tmp_path_factory.mktemp("redis-replicas")
+    server = RedisServer(tmp / "redis").start()
+    try:
+        (a,) = _run(tmp, single_process=True, kvoffload=_redis_tiers(server), rounds=[BATCH])
+        yield tmp, server, a
+    finally:
+        server.kill()
+
+
+def _counters(result: dict[str, Any]) -> str:
+    c = result["kvoffload"]
+    keys = [k for k in c if k.startswith("tier.redis.")] + [
+        "blocks_loaded",
+        "prefetched_blocks",
+        "load_errors",
+    ]
+    return json.dumps({k: c.get(k) for k in keys})
+
+
+@pytest.mark.slow
+def test_what_engine_a_stored_is_a_hit_in_engine_b(
+    engine_a: tuple[Path, RedisServer, Any],
+    reference: list[list[int]],  # noqa: F811
+) -> None:
+    tmp, server, a = engine_a
+    assert a["failed"] == 0, _failures(a)
+    assert _outputs(a) == reference
+    assert a["kvoffload"]["tier.redis.blocks_stored"] >= BATCH_BLOCKS, _counters(a)
+    held = server.client().dbsize()
+    assert held == BATCH_BLOCKS, f"the server holds {held} blocks; {_counters(a)}"
+
+    (b,) = _run(tmp, single_process=True, kvoffload=_redis_tiers(server), rounds=[BATCH])
+    c = b["kvoffload"]
+    print(
+        "A:",
+        _counters(a),
+        "\nB:",
+        _counters(b),
+        "\nB cached:",
+        [r["cached"] for r in b["rounds"][0]],
+    )
+    assert b["failed"] == 0, _failures(b)
+    assert _outputs(b) == reference
+    # B's cpu tier started empty: its hits came from the server, prefetched into it.
+    assert c["tier.redis.hits"] > 0 or c["prefetched_blocks"] > 0, _counters(b)
+    assert c["blocks_loaded"] > 0, _counters(b)
+    assert c["tier.redis.corrupt_blocks"] == c["tier.redis.lost_blocks"] == 0, _counters(b)
+    assert all(r["cached"] > 0 for r in b["rounds"][0]), b["rounds"][0]
+
+
+@pytest.mark.slow
+def test_server_killed_between_engines_means_recompute(
+    engine_a: tuple[Path, RedisServer, Any],
+    reference: list[list[int]],  # noqa: F811
+) -> None:
+    """The server dies after A stored the batch: engine C serves everything by
+    recompute, under vLLM's default ``kv_load_failure_policy`` ("fail"): no request
+    fails, outputs equal the reference, the server's errors are counted."""
+    tmp, server, _ = engine_a
+    server.kill()
+    (c_run,) = _run(tmp, single_process=True, kvoffload=_redis_tiers(server), rounds=[BATCH])
+    c = c_run["kvoffload"]
+    print("C (server down):", _counters(c_run))
+    assert c_run["failed"] == 0, _failures(c_run)
+    assert _outputs(c_run) == reference
+    assert c["tier.redis.hits"] == 0, _counters(c_run)
+    # Its lookups and writes met the dead server: counted, and the breaker then kept
+    # the remaining stores from trying (bypassed, counted too).
+    assert c["tier.redis.server_errors"] > 0, _counters(c_run)
+    assert c["tier.redis.store_errors"] + c["tier.redis.bypassed_stores"] > 0, _counters(c_run)
