@@ -407,9 +407,9 @@ class _ReadSink:
         for i, key in enumerate(keys):
             self.waiting.setdefault(key.ljust(MAX_KEY_BYTES, b"\0"), []).append(i)
         self.headers = np.zeros(n, dtype=HEADER_DTYPE)
-        self._raw = self.headers.view(np.uint8).reshape(n, HEADER_BYTES)
-        self.crcs = np.zeros(n, dtype=np.uint32)
-        self.sums = np.zeros(n, dtype=np.uint64)
+        self._raw = self.headers.view(np.uint8).data  # flat: row i at i * 128
+        self.crcs = [0] * n
+        self.sums = [0] * n
 
     def take(self, value: bytes) -> _Sunk | bytes:
         """Claim the row ``value`` names; ``value`` itself where it names none."""
@@ -428,10 +428,14 @@ class _ReadSink:
         """Header, header CRC and payload checksum of ``value``, and its payload into
         ``row``: everything :meth:`RedisBackend._verify` needs of it afterwards."""
         view = memoryview(value)
-        self._raw[row] = np.frombuffer(value, np.uint8, count=HEADER_BYTES)
+        self._raw[row * HEADER_BYTES : (row + 1) * HEADER_BYTES] = view[:HEADER_BYTES]
         self.crcs[row] = zlib.crc32(view[: HEADER_BYTES - 4])
         self.sums[row] = payload_checksum(view[HEADER_BYTES:])
-        np.copyto(self.rows[row], np.frombuffer(value, np.uint8, offset=HEADER_BYTES))
+        target = self.rows[row]
+        if target.flags.c_contiguous:  # a memoryview copy: a third less overhead
+            memoryview(target)[:] = view[HEADER_BYTES:]
+        else:
+            np.copyto(target, np.frombuffer(value, np.uint8, offset=HEADER_BYTES))
 
 
 def _describe(exc: BaseException, secrets: Sequence[str]) -> str:
@@ -782,8 +786,8 @@ class RedisBackend(Backend):
                 & (headers["layout"] == self._fp)
                 & (headers["key_len"] == np.array([len(k) for k in want], dtype=np.uint16))
                 & (headers["key"] == padded_keys(want))
-                & (headers["hcrc"] == sink.crcs[checked])
-                & (headers["checksum"] == sink.sums[checked])
+                & (headers["hcrc"] == np.array(sink.crcs, dtype=np.uint32)[checked])
+                & (headers["checksum"] == np.array(sink.sums, dtype=np.uint64)[checked])
             )
             ok[checked] = match
         bad = n - absent - int(ok.sum())

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
+from redisserver import RedisServer, require_redis
 
 from kvoffload import registry
 
@@ -20,6 +22,17 @@ def fresh_registry() -> Iterator[None]:
     registry.reset()
     yield
     registry.reset()
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A real standalone ``redis-server`` on a free loopback port, killed afterwards."""
+    require_redis()
+    srv = RedisServer(tmp_path / "redis").start()
+    try:
+        yield srv
+    finally:
+        srv.kill()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -8,7 +8,6 @@ must hold at any size.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,16 +32,6 @@ KEYS = (
 
 def _positive_finite(x: Any) -> bool:
     return isinstance(x, float) and math.isfinite(x) and x > 0
-
-
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[RedisServer]:
-    require_redis()
-    srv = RedisServer(tmp_path / "redis").start()
-    try:
-        yield srv
-    finally:
-        srv.kill()
 
 
 def _tier(url: str | None = None, nodes: list[str] | None = None) -> Any:

@@ -7,7 +7,6 @@ restarted: misses and counted errors, never an exception, hits back within 5 s."
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +21,6 @@ from kvoffload.exceptions import ConfigError
 from kvoffload.keys import BlockKey
 from kvoffload.offloader import Offloader
 from kvoffload.server_manager import ServerBookedManager
-
-
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[RedisServer]:
-    require_redis()
-    srv = RedisServer(tmp_path / "redis").start()
-    yield srv
-    srv.kill()
 
 
 def _redis(server: RedisServer, **settings: Any) -> dict[str, Any]:

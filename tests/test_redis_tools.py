@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import pickle
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Final
 
@@ -40,14 +39,6 @@ from kvoffload.tools.maintenance import export_snapshot, inspect_tiers, verify_t
 SECRET: Final = "s3cr3t-XYZ"
 USER: Final = "u-S3CRET-name"
 STRESS: Final = {"preset": "tiny"}  # 16 KiB blocks: test_offloader's content helpers
-
-
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[RedisServer]:
-    require_redis()
-    srv = RedisServer(tmp_path / "redis").start()
-    yield srv
-    srv.kill()
 
 
 def _raw(url: str, **settings: Any) -> dict[str, Any]:

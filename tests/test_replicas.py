@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 from checkout import KVOFFLOAD
-from redisserver import RedisServer, require_redis
+from redisserver import RedisServer
 from test_stress import BLOCK, SMALL_STRESS
 
 from kvoffload.config import load_config
@@ -22,14 +21,6 @@ from kvoffload.keys import BlockKey
 from kvoffload.tools.cli import main
 from kvoffload.tools.stress import replica_config, run_replicas
 from kvoffload.tools.workloads import ReplicaShare, Workload, make_workload
-
-
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[RedisServer]:
-    require_redis()
-    srv = RedisServer(tmp_path / "redis").start()
-    yield srv
-    srv.kill()
 
 
 def _write(path: Path, tiers: list[dict[str, Any]], **stress: Any) -> Path:
