@@ -46,7 +46,6 @@ import logging
 import re
 import threading
 import time
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Final, Literal, cast
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
@@ -55,6 +54,7 @@ import numpy as np
 import redis
 import redis.exceptions
 import torch
+from kvoffload.backends.redis_read import ReadSink, Sinks, Sunk, direct_get_parser
 from pydantic import ConfigDict, Field, SecretStr, ValidationInfo, field_validator, model_validator
 from redis._parsers import Encoder
 from redis.backoff import NoBackoff
@@ -74,7 +74,6 @@ from kvoffload.keys import MAX_KEY_BYTES, BlockKey
 from kvoffload.layout import KVLayout
 from kvoffload.record import (
     HEADER_BYTES,
-    HEADER_DTYPE,
     MAGIC,
     VERSION,
     build_headers,
@@ -322,10 +321,10 @@ buffer); this one sends a large value as the caller's own buffer. Pipelined SETs
 are still parsed by hiredis. Stateless, so one instance serves every connection."""
 
 
-def _counting_connection(base: type[Connection], tally: _Tally, sinks: _Sinks) -> type[Connection]:
+def _counting_connection(base: type[Connection], tally: _Tally, sinks: Sinks) -> type[Connection]:
     """A connection class that counts each request it writes in ``tally``, packs
     without copies (:data:`_ZERO_COPY_PACKER`) and hands each value a read is waiting
-    for to that read's :class:`_ReadSink` as soon as it is parsed.
+    for to that read's :class:`ReadSink` as soon as it is parsed.
 
     Counted here, at the socket, rather than per pipeline: a cluster pipeline's
     per-node requests, a retry after a stale connection, the commands redis-py resends
@@ -333,8 +332,11 @@ def _counting_connection(base: type[Connection], tally: _Tally, sinks: _Sinks) -
     round trips, and only the connection sees every one of them. A class per backend,
     because a cluster client builds its connections from a class, not a factory."""
 
+    parser = direct_get_parser(sinks)
+
     def init(self: Connection, **kwargs: Any) -> None:
         kwargs.setdefault("command_packer", _ZERO_COPY_PACKER)
+        kwargs.setdefault("parser_class", parser)
         base.__init__(self, **kwargs)  # type: ignore[no-untyped-call]
 
     def send_packed_command(self: Connection, command: Any, check_health: bool = True) -> None:
@@ -354,88 +356,6 @@ def _counting_connection(base: type[Connection], tally: _Tally, sinks: _Sinks) -
         "read_response": read_response,
     }
     return cast(type[Connection], type(f"Counting{base.__name__}", (base,), namespace))
-
-
-class _Sinks(threading.local):
-    """The read each thread is running, if any: a connection reads replies on the
-    thread that sent the pipeline, so the value it parses belongs to that read."""
-
-    active: _ReadSink | None = None
-
-
-class _Sunk:
-    """The reply a read gets for a value its sink took: the row the value went to."""
-
-    __slots__ = ("row",)
-
-    def __init__(self, row: int) -> None:
-        self.row = row
-
-
-_KEY_FIELD: Final = slice(
-    HEADER_DTYPE.fields["key"][1],  # type: ignore[index]
-    HEADER_DTYPE.fields["key"][1] + MAX_KEY_BYTES,  # type: ignore[index]
-)
-"""Where a value's header keeps its (NUL-padded) block key."""
-
-
-class _ReadSink:
-    """The rows one read fills, and what it learned of each value on the way.
-
-    Values are consumed as the connection parses them, one at a time, instead of after
-    the whole pipeline has arrived: each is checksummed and copied into its row while
-    it is still in the CPU's cache, and then dropped, so the next value of the batch
-    reuses its memory. Kept until the end, a batch of 32 values of 2 MiB is 64 MiB of
-    fresh pages every batch (malloc gives them back to the system when they are
-    freed together), faulted in by the parser and then read twice from memory: 256
-    minor page faults per MiB read, against under 4 this way, and reads of 256 KiB
-    and 2 MiB blocks went from 0.50-0.56 to 0.75-0.87 GB/s on loopback (2026-11-23,
-    this 2-CPU machine).
-
-    A value goes to the row of the key its header names, among the rows the read asked
-    for and has not filled yet (a cluster answers per node, not in the read's order).
-    The row is only *claimed* here: it counts as valid only if the value came back
-    for that very row's key and verifies (:meth:`RedisBackend._verify`); anything
-    else is left as the reply it was, and a row its value did not fill is undefined,
-    as :meth:`~kvoffload.backend.Backend.read` allows for a miss."""
-
-    def __init__(self, rows: np.ndarray[Any, Any], keys: list[bytes], value_bytes: int) -> None:
-        n = len(keys)
-        self.rows = rows
-        self.value_bytes = value_bytes
-        self.waiting: dict[bytes, list[int]] = {}
-        for i, key in enumerate(keys):
-            self.waiting.setdefault(key.ljust(MAX_KEY_BYTES, b"\0"), []).append(i)
-        self.headers = np.zeros(n, dtype=HEADER_DTYPE)
-        self._raw = self.headers.view(np.uint8).data  # flat: row i at i * 128
-        self.crcs = [0] * n
-        self.sums = [0] * n
-
-    def take(self, value: bytes) -> _Sunk | bytes:
-        """Claim the row ``value`` names; ``value`` itself where it names none."""
-        rows = self.waiting.get(value[_KEY_FIELD])
-        if not rows:
-            return value
-        row = rows.pop(0)
-        try:
-            self.fill(row, value)
-        except Exception:  # never into the engine: the reply goes the slow way
-            logger.debug("value for row %d not taken", row, exc_info=True)
-            return value
-        return _Sunk(row)
-
-    def fill(self, row: int, value: bytes) -> None:
-        """Header, header CRC and payload checksum of ``value``, and its payload into
-        ``row``: everything :meth:`RedisBackend._verify` needs of it afterwards."""
-        view = memoryview(value)
-        self._raw[row * HEADER_BYTES : (row + 1) * HEADER_BYTES] = view[:HEADER_BYTES]
-        self.crcs[row] = zlib.crc32(view[: HEADER_BYTES - 4])
-        self.sums[row] = payload_checksum(view[HEADER_BYTES:])
-        target = self.rows[row]
-        if target.flags.c_contiguous:  # a memoryview copy: a third less overhead
-            memoryview(target)[:] = view[HEADER_BYTES:]
-        else:
-            np.copyto(target, np.frombuffer(value, np.uint8, offset=HEADER_BYTES))
 
 
 def _describe(exc: BaseException, secrets: Sequence[str]) -> str:
@@ -502,7 +422,7 @@ class RedisBackend(Backend):
             s.get_secret_value() for s in (config.password, config.username) if s is not None
         ]
         self._tally = _Tally()
-        self._sinks = _Sinks()
+        self._sinks = Sinks()
         self._lock = threading.Lock()
         """Guards the client's creation and the pack buffer."""
         self._stats_lock = threading.Lock()
@@ -737,11 +657,11 @@ class RedisBackend(Backend):
                 pipe.get(self.redis_key(key))
 
         # Payloads go straight from each reply into the caller's rows as the replies
-        # arrive (one copy, see _ReadSink); a device or strided ``dst`` is filled
+        # arrive (one copy, see ReadSink); a device or strided ``dst`` is filled
         # through a host buffer.
         direct = dst.device.type == "cpu" and dst.stride(1) == 1
         out = dst if direct else torch.empty(dst.shape, dtype=torch.uint8)
-        sink = _ReadSink(out.numpy(), key_list, self.value_bytes)
+        sink = ReadSink(out.numpy(), key_list, self.value_bytes)
         self._sinks.active = sink
         try:
             values = self._run("read", len(key_list), queue, wrong_type_ok=True)
@@ -752,10 +672,10 @@ class RedisBackend(Backend):
             dst.copy_(out)
         return valid
 
-    def _verify(self, keys: list[bytes], values: list[Any], sink: _ReadSink) -> list[bool]:
+    def _verify(self, keys: list[bytes], values: list[Any], sink: ReadSink) -> list[bool]:
         """Which replies hold an intact value of the asked key under this layout.
 
-        A value the sink took (:class:`_Sunk`) was checksummed and copied on arrival;
+        A value the sink took (:class:`Sunk`) was checksummed and copied on arrival;
         one it did not (another key's value, read into a row claimed by its own key's
         value, or the sink's failure) is done here. Then the headers are checked as
         one array (field access on numpy scalars costs ~20 us a header, see
@@ -769,7 +689,7 @@ class RedisBackend(Backend):
         for i, value in enumerate(values):
             if value is None:
                 absent += 1
-            elif type(value) is _Sunk:
+            elif type(value) is Sunk:
                 if value.row == i:  # else: a value filed under key i that names another
                     checked.append(i)
             elif isinstance(value, bytes) and len(value) == self.value_bytes:
