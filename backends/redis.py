@@ -66,6 +66,7 @@ from redis.connection import (
     SSLConnection,
 )
 from redis.retry import Retry
+from redis.utils import HIREDIS_AVAILABLE
 
 from kvoffload.backend import Backend
 from kvoffload.config import ByteSize, TierConfig
@@ -318,13 +319,17 @@ _ZERO_COPY_PACKER: Final = PythonRespSerializer(
 hiredis, which copies every value twice (``bytes(memoryview)``, then into one request
 buffer); this one sends a large value as the caller's own buffer. Pipelined SETs of
 2 MiB values: 0.78 GB/s with hiredis packing, 1.64 GB/s with this (2026-11-23). Replies
-are still parsed by hiredis. Stateless, so one instance serves every connection."""
+are parsed by :mod:`~kvoffload.backends.redis_read` and hiredis. Stateless, so one
+instance serves every connection."""
 
 
 def _counting_connection(base: type[Connection], tally: _Tally, sinks: Sinks) -> type[Connection]:
     """A connection class that counts each request it writes in ``tally``, packs
-    without copies (:data:`_ZERO_COPY_PACKER`) and hands each value a read is waiting
-    for to that read's :class:`ReadSink` as soon as it is parsed.
+    without copies (:data:`_ZERO_COPY_PACKER`) and parses a read's replies with
+    :func:`~kvoffload.backends.redis_read.direct_get_parser`, which receives each value
+    straight into the row its read's :class:`ReadSink` holds for it. A value that
+    reaches this class as ``bytes`` anyway (parsed by hiredis, or by redis-py's own
+    parser where hiredis is missing) is handed to the sink as soon as it is parsed.
 
     Counted here, at the socket, rather than per pipeline: a cluster pipeline's
     per-node requests, a retry after a stale connection, the commands redis-py resends
@@ -336,7 +341,8 @@ def _counting_connection(base: type[Connection], tally: _Tally, sinks: Sinks) ->
 
     def init(self: Connection, **kwargs: Any) -> None:
         kwargs.setdefault("command_packer", _ZERO_COPY_PACKER)
-        kwargs.setdefault("parser_class", parser)
+        if HIREDIS_AVAILABLE:  # else redis-py's own parser, as the client would pick
+            kwargs.setdefault("parser_class", parser)
         base.__init__(self, **kwargs)  # type: ignore[no-untyped-call]
 
     def send_packed_command(self: Connection, command: Any, check_health: bool = True) -> None:
@@ -385,6 +391,11 @@ def _hint(exc: BaseException) -> str:
         return "; check the tier's username and password"
     if isinstance(exc, redis.exceptions.TimeoutError):
         return "; the server answered slower than socket_timeout_ms"
+    if "CERTIFICATE_VERIFY_FAILED" in str(exc):
+        return (
+            "; the server's TLS certificate is not trusted: give its CA in the url "
+            "(rediss://host:port/0?ssl_ca_certs=/path/ca.pem)"
+        )
     if isinstance(exc, redis.exceptions.ConnectionError):
         return "; the server is unreachable (it is retried on the next batch)"
     return ""

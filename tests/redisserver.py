@@ -73,6 +73,63 @@ def free_port(*, bus: bool = False) -> int:
     raise RuntimeError("no free loopback port")
 
 
+@dataclass(frozen=True)
+class TlsFiles:
+    """A test CA and a certificate it signed for 127.0.0.1, as PEM files."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+
+def make_tls_files(directory: Path) -> TlsFiles:
+    """A fresh CA and a server certificate for IP 127.0.0.1 under ``directory``."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    directory.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.UTC)
+
+    def cert(subject: str, key: Any, issuer: str, signer: Any, *, ca: bool) -> x509.Certificate:
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+            .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
+        if not ca:
+            builder = builder.add_extension(
+                x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                critical=False,
+            )
+        return builder.sign(signer, hashes.SHA256())
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_cert = cert("kvoffload test CA", ca_key, "kvoffload test CA", ca_key, ca=True)
+    key = ec.generate_private_key(ec.SECP256R1())
+    server = cert("127.0.0.1", key, "kvoffload test CA", ca_key, ca=False)
+    files = TlsFiles(directory / "ca.pem", directory / "server.pem", directory / "server.key")
+    files.ca.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+    files.cert.write_bytes(server.public_bytes(serialization.Encoding.PEM))
+    files.key.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.TraditionalOpenSSL,
+            serialization.NoEncryption(),
+        )
+    )
+    return files
+
+
 @dataclass
 class RedisServer:
     """One ``redis-server`` process; :meth:`start` again after :meth:`kill` reuses its
@@ -86,6 +143,8 @@ class RedisServer:
     announce_port: int | None = None
     """Cluster only: the port to advertise to clients (a proxy in front of this node)."""
     port: int = 0
+    tls: TlsFiles | None = None
+    """Serve TLS only (``--tls-port``; the plain port is off), with these files."""
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     _stats: redis.Redis | None = field(default=None, repr=False)
 
@@ -107,9 +166,19 @@ class RedisServer:
 
     def _spawn(self) -> None:
         assert REDIS_SERVER is not None
+        listen = ["--port", str(self.port)]
+        if self.tls is not None:
+            listen = [
+                "--port", "0",
+                "--tls-port", str(self.port),
+                "--tls-cert-file", str(self.tls.cert),
+                "--tls-key-file", str(self.tls.key),
+                "--tls-ca-cert-file", str(self.tls.ca),
+                "--tls-auth-clients", "no",
+            ]  # fmt: skip
         args = [
             REDIS_SERVER,
-            "--port", str(self.port),
+            *listen,
             "--bind", "127.0.0.1",
             "--dir", str(self.workdir),
             "--save", "",
@@ -164,12 +233,17 @@ class RedisServer:
 
     def url(self, *, with_password: bool = False) -> str:
         auth = f":{self.password}@" if with_password and self.password else ""
+        if self.tls is not None:
+            return f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_ca_certs={self.tls.ca}"
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def client(self) -> redis.Redis:
         """A plain client straight to this server (not through any proxy)."""
+        tls: dict[str, Any] = {}
+        if self.tls is not None:
+            tls = {"ssl": True, "ssl_ca_certs": str(self.tls.ca)}
         return redis.Redis(
-            host="127.0.0.1", port=self.port, password=self.password, socket_timeout=5
+            host="127.0.0.1", port=self.port, password=self.password, socket_timeout=5, **tls
         )
 
     def info(self, section: str) -> dict[str, Any]:
