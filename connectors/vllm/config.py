@@ -53,14 +53,18 @@ OPTIONS: Final = {"layerwise_loads": False}
 defaults (:func:`options_from_vllm`)."""
 
 
+MODEL_ID_MAX: Final = 200
+"""Longest ``model_id`` accepted (characters)."""
+
+
 def config_from_vllm(extra: dict[str, Any]) -> KVOffloadConfig:
     """The kvoffload config named by ``kv_connector_extra_config``."""
-    unknown = set(extra) - {"config_file", "config", *OPTIONS}
+    unknown = set(extra) - {"config_file", "config", "model_id", *OPTIONS}
     if unknown:
         raise ConfigError(
             f"kv_connector_extra_config: unknown key(s) {sorted(unknown)}; "
-            "allowed: config_file (a YAML path) or config (an inline mapping), and "
-            f"the options {sorted(OPTIONS)}"
+            "allowed: config_file (a YAML path) or config (an inline mapping), "
+            f"model_id, and the options {sorted(OPTIONS)}"
         )
     if "config_file" in extra and "config" in extra:
         raise ConfigError(
@@ -90,6 +94,38 @@ def options_from_vllm(extra: dict[str, Any]) -> dict[str, bool]:
     return out
 
 
+def model_id_from_vllm(vllm_config: VllmConfig) -> str:
+    """What names the model's weights in every key: ``model_id`` from
+    ``kv_connector_extra_config``, else the model as vLLM was given it (a Hugging Face
+    id or a local path) with its ``revision``, if any.
+
+    Blocks are shared only between engines whose model id is equal, so replicas that
+    load the same weights from different local paths share nothing unless the
+    operator names the weights once, the same on each (``model_id``). The default
+    stays the path: two different weights at one path look the same and would mix,
+    which only the operator can rule out; a revision at least keeps revisions apart."""
+    transfer = vllm_config.kv_transfer_config
+    extra = (transfer.kv_connector_extra_config if transfer is not None else None) or {}
+    if "model_id" in extra:
+        given = extra["model_id"]
+        if (
+            not isinstance(given, str)
+            or not 0 < len(given) <= MODEL_ID_MAX
+            or not given.isprintable()
+            or given != given.strip()
+        ):
+            raise ConfigError(
+                f"kv_connector_extra_config: model_id = {given!r}: expected a string of 1 "
+                f"to {MODEL_ID_MAX} printable characters without surrounding spaces that "
+                "names the model's weights, the same on every engine that should share "
+                'blocks (e.g. "meta-llama/Llama-3.1-8B@main")'
+            )
+        return given
+    model = vllm_config.model_config
+    revision = getattr(model, "revision", None)
+    return f"{model.model}@{revision}" if revision else str(model.model)
+
+
 def layout_from_vllm(vllm_config: VllmConfig) -> KVLayout:
     """The KV layout of this engine's blocks, as kvoffload fingerprints it."""
     model = vllm_config.model_config
@@ -106,7 +142,7 @@ def layout_from_vllm(vllm_config: VllmConfig) -> KVLayout:
         head_dim=model.get_head_size(),
         block_size=vllm_config.cache_config.block_size,
         dtype=str(dtype).removeprefix("torch."),
-        namespace=f"vllm:{model.model}:tp{parallel.rank}",
+        namespace=f"vllm:{model_id_from_vllm(vllm_config)}:tp{parallel.rank}",
     )
 
 

@@ -4,7 +4,9 @@ Engine A (CPU build, the dummy-weight tiny Llama, run through ``engine_run.py`` 
 ``test_verified_hits.py``) serves a batch over ``cpu -> redis``: its blocks are written
 through to a ``redis-server`` on a loopback port. Engine B is a fresh process with an
 empty cpu tier of its own: the same batch is a hit for it, served from the server, and
-both engines' outputs equal those of an engine without the connector. Then the server
+both engines' outputs equal those of an engine without the connector. B loads the model
+from a path of its own, as a replica on another host would: the engines share blocks
+because each names the weights the same way (``model_id``). Then the server
 is killed and engine C runs the batch once more: every block is recomputed, no
 request fails, and the errors of the dead server are counted.
 """
@@ -35,10 +37,15 @@ from test_verified_hits import (  # noqa: E402
     reference,  # noqa: F401 - the fixture: the batch's outputs without the connector
 )
 
+MODEL_ID = "tiny-llama-dummy@e2e"
+"""The weights' name every engine here gives (``model_id``): the same on each, so
+engines that load the model from different paths share blocks."""
+
 
 def _redis_tiers(server: RedisServer) -> dict[str, Any]:
     """cpu -> redis (write_through), room in both store queues for a whole batch."""
     conn = _tiers(None)
+    conn["model_id"] = MODEL_ID
     conn["config"]["tiers"].append(
         {
             "name": "redis",
@@ -55,9 +62,7 @@ def _redis_tiers(server: RedisServer) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def engine_a(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, RedisServer, Any]]:
-    """A real server, and engine A's run of the batch over it (its own process). The
-    engines after it run in the same directory: the same model path, so the same key
-    namespace (the connector's keys name the model as vLLM was given it)."""
+    """A real server, and engine A's run of the batch over it (its own process)."""
     require_redis()
     tmp = tmp_path_factory.mktemp("redis-replicas")
     server = RedisServer(tmp / "redis").start()
@@ -90,7 +95,9 @@ def test_what_engine_a_stored_is_a_hit_in_engine_b(
     held = server.client().dbsize()
     assert held == BATCH_BLOCKS, f"the server holds {held} blocks; {_counters(a)}"
 
-    (b,) = _run(tmp, single_process=True, kvoffload=_redis_tiers(server), rounds=[BATCH])
+    elsewhere = tmp / "replica-b"  # B's own copy of the model, at another path
+    elsewhere.mkdir(exist_ok=True)
+    (b,) = _run(elsewhere, single_process=True, kvoffload=_redis_tiers(server), rounds=[BATCH])
     c = b["kvoffload"]
     print(
         "A:",
