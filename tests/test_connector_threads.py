@@ -580,3 +580,52 @@ def test_the_books_server_thread_ends_when_closed(connected: bool) -> None:
     if remote is not None:
         for conn in remote.conns:
             conn.close()
+
+
+def test_concurrent_lookups_of_one_request_leak_no_pin() -> None:
+    """Two schedulers that share these books may send one request id at once: each
+    lookup replaces the request's hold, and whichever comes last keeps it. However they
+    interleave, releasing the request leaves nothing pinned (a hold overwritten without
+    being unpinned would keep its blocks pinned for good)."""
+    from kvoffload.connectors.vllm.events import _EventBook
+    from kvoffload.connectors.vllm.shared import _Shared
+
+    from kvoffload.blockpool import BlockPool
+    from kvoffload.config import load_config
+    from kvoffload.keys import ROOT_KEY, chain_key
+    from kvoffload.layout import KVLayout
+    from kvoffload.offloader import Offloader
+
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=32, block_size=16, namespace="race")
+    pool = BlockPool.allocate(layout, 16)
+    config = load_config({"tiers": [{"name": "cpu", "capacity": 64 * layout.bytes_per_block}]})
+    off = Offloader(config, layout, pool)
+    try:
+        shared = _Shared(off, _EventBook(enabled=False, cap=64), b"race")
+        keys, parent = [], ROOT_KEY
+        for i in range(8):
+            parent = chain_key(parent, b"%d" % i)
+            keys.append(parent)
+        job = off.submit_store(shared.ns(keys), list(range(8)))
+        assert job is not None
+        assert off.wait([job], timeout=30)[0].success
+        start = threading.Barrier(4)
+        hits: list[int | None] = []
+
+        def ask() -> None:
+            start.wait()
+            for _ in range(300):
+                hits.append(shared.lookup("req-1", keys))
+
+        threads = [threading.Thread(target=ask) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert set(hits) == {8}
+        assert sum(off.pinned()) == 8  # the one hold left
+        shared.release("req-1")
+        assert off.pinned() == [0]
+        assert off.check() == []
+    finally:
+        off.close()

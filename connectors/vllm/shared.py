@@ -81,8 +81,14 @@ class _Shared:
         if plan is None:
             return None
         if plan.hits:
+            # Swapped in one step: a lookup of the same request that ran alongside this
+            # one (two schedulers sharing these books, both sent one id) held its own
+            # plan meanwhile; that one is unpinned here, not leaked.
             with self.lock:
+                earlier = self.holds.get(req_id)
                 self.holds[req_id] = plan
+            if earlier is not None:
+                self.offloader.unclaim(earlier)
         else:
             self.offloader.unclaim(plan)
         return plan.hits

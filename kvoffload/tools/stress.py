@@ -434,14 +434,20 @@ class StressRunner:
         rep = self.report
         if not rep.resources or t - rep.resources[-1]["t"] >= RESOURCE_EVERY_S:
             self._sample_resources(t)
+        # One snapshot under the books' lock: the lanes are changing these meanwhile.
+        tiers, _ = self.offloader.counters()
         rep.timeline.append(
             {
                 "t": round(t, 3),
                 "requested": rep.blocks_requested,
                 "loaded": rep.blocks_loaded,
                 "tiers": [
-                    {"bytes_written": s.bytes_written, "bytes_read": s.bytes_read, "hits": s.hits}
-                    for s in self.offloader.stats
+                    {
+                        "bytes_written": c["bytes_written"],
+                        "bytes_read": c["bytes_read"],
+                        "hits": c["hits"],
+                    }
+                    for c in tiers.values()
                 ],
             }
         )
