@@ -521,6 +521,13 @@ class KVOffloadConfig(BaseModel):
     recomputed (its bytes are never copied in afterwards). A read that takes longer
     counts as a failure for the tier's circuit breaker, so a hanging disk is bypassed
     after ``breaker_errors`` of them."""
+    store_timeout_ms: float = Field(default=10_000.0, gt=0)
+    """Longest the engine waits for a store to read its blocks: when it preempts a
+    request (the step waits) and when a request finishes (its blocks stay held until
+    then). Past it a store that has not begun reading them is abandoned (nothing is
+    stored; ``store_timeouts``) and the engine has its blocks back; a store whose read
+    has begun is waited for (a memory copy). The engine never waits for the write into
+    the tier itself."""
     stress: StressConfig = StressConfig()
     """Defaults for ``kvoffload stress``."""
 

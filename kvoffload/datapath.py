@@ -39,6 +39,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
@@ -164,6 +165,61 @@ class LoadGate:
             if self._state == self._PENDING:
                 self._state = self._ABANDONED
                 return True
+            return self._state == self._ABANDONED
+
+
+class StoreAbandonedError(RuntimeError):
+    """A store job found its :class:`StoreGate` abandoned: it reads nothing and fails."""
+
+
+class StoreGate:
+    """Settles the race between a store job about to read the engine's blocks and the
+    engine wanting those blocks back (a preemption reuses them at once; a finished
+    request's are freed), which it may do once the job has read them or never will.
+
+    The engine waits for the read (:meth:`wait`), not for the whole store: a disk tier
+    may take long to write, or hang, after the blocks were read. A job that has not
+    begun reading by the engine's deadline is abandoned and reads nothing (its store
+    fails); one whose read has begun is waited for (a memory copy: bounded)."""
+
+    _PENDING, _READING, _RELEASED, _ABANDONED = range(4)
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._state = self._PENDING
+        self.since = time.monotonic()
+        """When the store was submitted (``time.monotonic``): its deadline's start."""
+
+    def enter(self) -> bool:
+        """The job is about to read the engine's blocks: ``False`` if abandoned."""
+        with self._cond:
+            if self._state == self._ABANDONED:
+                return False
+            self._state = self._READING
+            return True
+
+    def release(self) -> None:
+        """The job no longer reads the engine's blocks (read, failed or finished)."""
+        with self._cond:
+            if self._state != self._ABANDONED:
+                self._state = self._RELEASED
+            self._cond.notify_all()
+
+    def released(self) -> bool:
+        """Whether the engine's blocks are free of this job (read or abandoned)."""
+        with self._cond:
+            return self._state in (self._RELEASED, self._ABANDONED)
+
+    def wait(self, timeout: float) -> bool:
+        """Return once the engine's blocks are free of this job, waiting at most
+        ``timeout`` seconds for a job that has not begun reading them (it is abandoned
+        then) and for as long as a read in progress takes. ``True`` if abandoned."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._state != self._PENDING, max(0.0, timeout))
+            if self._state == self._PENDING:
+                self._state = self._ABANDONED
+                return True
+            self._cond.wait_for(lambda: self._state != self._READING)
             return self._state == self._ABANDONED
 
 

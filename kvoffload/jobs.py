@@ -18,7 +18,15 @@ import torch
 
 from kvoffload.books import Books
 from kvoffload.config import TierConfig
-from kvoffload.datapath import DataPath, LayerProgress, LoadGate, Piece, groups
+from kvoffload.datapath import (
+    DataPath,
+    LayerProgress,
+    LoadGate,
+    Piece,
+    StoreAbandonedError,
+    StoreGate,
+    groups,
+)
 from kvoffload.exceptions import BackendError
 from kvoffload.keys import BlockKey
 from kvoffload.plans import Copy, LoadPlan, Prefetch, Write
@@ -96,9 +104,13 @@ class Jobs:
         return sub
 
     # -- the store path (job bodies run on lane threads) -------------------------------
-    def write(self, w: Write) -> int:
+    def write(self, w: Write, gate: StoreGate | None = None) -> int:
         """Fill the tier from the write's source, after reading out what it displaces;
         then settle the books and queue the next tier's copies.
+
+        ``gate`` (an engine store's): entered before the engine's blocks are read and
+        released once they are, so the engine can take them back before a slow tier
+        has finished writing; a write whose gate was abandoned reads nothing and fails.
 
         One copy where the tier or the source is plain memory (:meth:`_pieces`): the
         engine's blocks are gathered straight into the tier's rows, a prefetch reads
@@ -125,7 +137,7 @@ class Jobs:
                 demote_buf = self._read_evicted(w)
                 t0 = time.perf_counter()
                 if into is not None and w.pool_ids is not None:
-                    self._data.pack(w.pool_ids, into, w.after)
+                    self._pack(w, into, gate)
                 elif into is not None:
                     assert w.src_tier is not None
                     assert w.src_slots is not None
@@ -149,7 +161,7 @@ class Jobs:
             if buf is None and n:
                 buf = self._buffers.acquire(n)
                 if w.pool_ids is not None:
-                    self._data.pack(w.pool_ids, [(0, buf)], w.after)
+                    self._pack(w, [(0, buf)], gate)
                 else:
                     assert w.src_tier is not None
                     assert w.src_slots is not None
@@ -171,6 +183,8 @@ class Jobs:
                 self._books.count_write(w.tier, seconds)
             written = True
         finally:
+            if gate is not None:
+                gate.release()
             if w.tier > 0 and n:  # a lower tier's write raised, or went through
                 self._books.health(w.tier, written)
             has_buf = buf is not None and n > 0 and written
@@ -185,6 +199,19 @@ class Jobs:
             if buf is not None and n and not handed_on:
                 self._buffers.release(buf)
         return sum(ok) * bpb
+
+    def _pack(self, w: Write, into: Sequence[Piece], gate: StoreGate | None) -> None:
+        """Gather the engine's blocks of ``w`` into ``into``, unless the engine has
+        stopped waiting for this store (``gate``)."""
+        assert w.pool_ids is not None
+        if gate is not None and not gate.enter():
+            raise StoreAbandonedError(
+                f"store of {len(w.keys)} blocks not begun by the engine's deadline "
+                "(store_timeout_ms): abandoned, the engine has its blocks back"
+            )
+        self._data.pack(w.pool_ids, into, w.after)
+        if gate is not None:
+            gate.release()
 
     def _pieces(self, t: int | None, slots: Sequence[int] | None) -> list[Piece] | None:
         """Tier ``t``'s ``slots`` as rows of its memory, one piece per run of

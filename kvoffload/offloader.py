@@ -51,7 +51,7 @@ from typing import Final
 from kvoffload.blockpool import BlockPool
 from kvoffload.books import Books
 from kvoffload.config import KVOffloadConfig, TierConfig
-from kvoffload.datapath import DataPath, LayerProgress, LoadGate
+from kvoffload.datapath import DataPath, LayerProgress, LoadGate, StoreGate
 from kvoffload.jobs import Jobs, ignore_result
 from kvoffload.keys import BlockKey
 from kvoffload.layout import KVLayout
@@ -137,21 +137,29 @@ class Offloader:
         """Length of the longest prefix of ``keys`` held ready by some tier."""
         return self._books.lookup(keys)
 
-    def submit_store(self, keys: Sequence[BlockKey], pool_ids: Sequence[int]) -> int | None:
+    def submit_store(
+        self, keys: Sequence[BlockKey], pool_ids: Sequence[int], *, gate: StoreGate | None = None
+    ) -> int | None:
         """Store pool blocks ``pool_ids`` under ``keys`` into the first tier (and from
         there down the chain). Returns a job id to poll, or ``None`` when the store was
         dropped (queue full) or no room could be made; the counts say which. Keys the
         tier already holds are skipped. The pool blocks must stay untouched until the
-        job finishes."""
+        job finishes, or, with ``gate`` (a :class:`~kvoffload.datapath.StoreGate`),
+        until the gate says they were read (``gate.wait``), which may abandon the
+        store if it has not begun by then."""
         if len(keys) != len(pool_ids):
             raise ValueError(f"submit_store: {len(keys)} keys but {len(pool_ids)} pool blocks")
         self._need_pool()
         write = self._books.plan_store(keys, pool_ids, time.perf_counter(), self._data.mark())
         if write is None:
+            if gate is not None:
+                gate.release()
             return None
-        job = self._workers[0].submit_store(lambda: self._jobs.write(write))
+        job = self._workers[0].submit_store(lambda: self._jobs.write(write, gate))
         if job is None:  # only when shut down: the books checked the depth
             self._books.abort_write(write)
+        if job is None and gate is not None:
+            gate.release()  # nothing will read the engine's blocks
         return job
 
     def prepare_load(self, keys: Sequence[BlockKey]) -> LoadPlan:

@@ -16,7 +16,7 @@ from test_offloader import BPB, LAYOUT, POOL, _content, _fill, _keys, _tiers
 
 from kvoffload.blockpool import BlockPool
 from kvoffload.config import load_config
-from kvoffload.datapath import LoadGate
+from kvoffload.datapath import LoadGate, StoreGate
 from kvoffload.keys import BlockKey
 from kvoffload.offloader import Offloader
 from kvoffload.testing import Faults, FaultyBackend
@@ -235,4 +235,54 @@ def test_an_abandoned_load_never_copies_into_the_engines_blocks(tmp_path: Path) 
         assert not gate.abandon()  # the copy began: too late to abandon
         got = off.pool.gather(ids)
         assert all(torch.equal(got[i], _content(keys[i])) for i in range(8))
+        assert off.check() == []
+
+
+def test_a_store_into_a_hanging_tier_gives_the_engine_its_blocks_back_once_read(
+    tmp_path: Path,
+) -> None:
+    """A disk as the only tier, every write hanging 1 s: the engine gets its blocks back
+    as soon as the store has read them, long before the write ends, and what is stored
+    is what was read, whatever the engine writes into its blocks afterwards. A store
+    queued behind the hung one has not begun by its deadline: it is abandoned, reads
+    nothing and stores nothing."""
+    disk = _tiers(tmp_path, cpu_blocks=8)[1]
+    off, faulty = _hanging(tmp_path, [disk])
+    with off:
+        assert off.pool is not None
+        faulty.enabled = True
+        zeros = torch.zeros((8, BPB), dtype=torch.uint8)
+        keys, ids = _keys(8, 5), list(range(8))
+        _fill(off.pool, keys, ids)
+        gate = StoreGate()
+        start = time.monotonic()
+        job = off.submit_store(keys, ids, gate=gate)
+        assert job is not None
+        assert gate.wait(5.0) is False  # read, not abandoned
+        assert time.monotonic() - start < 0.6  # the write takes 1 s
+        assert off.wait([job], timeout=0) == []  # still writing
+        off.pool.scatter(ids, zeros)  # the engine reuses its blocks at once
+        later, later_ids = _keys(8, 6), list(range(8, 16))
+        _fill(off.pool, later, later_ids)
+        late = StoreGate()
+        late_job = off.submit_store(later, later_ids, gate=late)
+        assert late_job is not None
+        assert late.wait(0.2) is True  # queued behind the hung write: abandoned
+        off.pool.scatter(later_ids, zeros)
+        results = {r.job_id: r for r in off.wait([job, late_job], timeout=30)}
+        assert results[job].success
+        assert not results[late_job].success
+        assert "store_timeout_ms" in str(results[late_job].error)
+        faulty.enabled = False
+        assert off.drain(timeout=30)
+        plan = off.prepare_load(keys)
+        assert plan.hits == 8
+        load = off.submit_load(plan, list(range(16, 24)))
+        assert load is not None
+        (res,) = off.wait([load], timeout=30)
+        assert res.nbytes == 8 * BPB
+        got = off.pool.gather(list(range(16, 24)))
+        assert all(torch.equal(got[i], _content(keys[i])) for i in range(8))
+        assert off.prepare_load(later).hits == 0  # nothing of the abandoned store
+        assert off.stats[0].store_errors == 8
         assert off.check() == []

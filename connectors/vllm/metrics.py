@@ -77,6 +77,8 @@ COUNTERS: Final[dict[str, str]] = {
     "load_timeouts": "Of the load errors, blocks whose load was abandoned after "
     "load_timeout_ms (a slow or hanging tier).",
     "blocks_submitted_for_store": "Blocks handed to the tiers for storing.",
+    "store_timeouts": "Blocks whose store had not begun reading them after "
+    "store_timeout_ms (a slow or hanging first tier): abandoned, not stored.",
     "tokens_loaded": "Tokens loaded into the engine's KV cache (blocks loaded x block size).",
     "tokens_stored": "Tokens the engine's stores wrote into the first tier (blocks written "
     "x block size; blocks the tier already held are not written again).",

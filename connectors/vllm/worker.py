@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from kvoffload.blockpool import BlockPool
 from kvoffload.config import KVOffloadConfig
-from kvoffload.datapath import LayerProgress, LoadGate
+from kvoffload.datapath import LayerProgress, LoadGate, StoreGate
 from kvoffload.layout import KVLayout
 from kvoffload.offloader import Offloader
 
@@ -64,7 +64,12 @@ class TieredOffloadWorker:
         self._slot = slot
         self._events_enabled = events
         self._store_jobs: dict[int, str] = {}
+        # Per store job not yet known to be done reading the engine's blocks: its
+        # request, its block count and its gate. A request's blocks are the engine's
+        # again once none of its stores is left here (not once the stores finish).
+        self._store_gates: dict[int, tuple[str, int, StoreGate]] = {}
         self._stores_left: dict[str, int] = {}
+        self._store_timeout = config.store_timeout_ms / 1e3
         self._finished_waiting: set[str] = set()
         self._load_errors: set[int] = set()
         self._ever_stored: set[str] = set()
@@ -242,18 +247,50 @@ class TieredOffloadWorker:
             keys = shared.ns(store.keys)
             if store.hashes:
                 shared.events.remember(keys, store.hashes)
-            job = off.submit_store(keys, store.block_ids)
+            gate = StoreGate()
+            job = off.submit_store(keys, store.block_ids, gate=gate)
             if job is not None:
                 self._store_jobs[job] = store.req_id
+                self._store_gates[job] = (store.req_id, len(keys), gate)
                 self._stores_left[store.req_id] = self._stores_left.get(store.req_id, 0) + 1
 
     def handle_preemptions(self) -> None:
-        # A preempted request's blocks are about to be reused: finish its stores first.
+        """A preempted request's blocks are about to be reused: wait until the stores
+        in flight have read the engine's blocks (up to ``store_timeout_ms`` for one
+        that has not begun; it is abandoned then), not until they are written."""
         shared = self._registered()
-        if shared is not None:
-            self._finish_layer_loads(shared)
-        if self._store_jobs and shared is not None:
-            self._collect(shared, shared.offloader.wait(list(self._store_jobs)))
+        if shared is None:
+            return
+        self._finish_layer_loads(shared)
+        self._collect(shared, shared.offloader.get_finished())
+        self._free_store_blocks(shared, wait=True)
+
+    def _free_store_blocks(self, shared: _Shared, *, wait: bool) -> None:
+        """Let go of the stores that are done reading the engine's blocks. With
+        ``wait``, wait for all of them (a preemption); without, only abandon those not
+        begun by their deadline (a finished request's blocks are held meanwhile)."""
+        now = time.monotonic()
+        for job, (req_id, blocks, gate) in list(self._store_gates.items()):
+            left = gate.since + self._store_timeout - now
+            if gate.released():
+                abandoned = False
+            elif wait or left <= 0:
+                abandoned = gate.wait(left)
+            else:
+                continue
+            del self._store_gates[job]
+            self._stores_left[req_id] -= 1
+            if self._stores_left[req_id] == 0:
+                del self._stores_left[req_id]
+            if abandoned:
+                shared.bump("store_timeouts", blocks)
+                logger.warning(
+                    "kvoffload: store of %d blocks for request %s not begun after %.1f s "
+                    "(store_timeout_ms); abandoned, the engine has its blocks back",
+                    blocks,
+                    req_id,
+                    self._store_timeout,
+                )
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         shared = self._registered()
@@ -261,6 +298,7 @@ class TieredOffloadWorker:
             # Before taking finished results: a layer-wise load's is waited for by id.
             self._finish_layer_loads(shared)
             self._collect(shared, shared.offloader.get_finished())
+            self._free_store_blocks(shared, wait=False)
         self._finished_waiting.update(r for r in finished_req_ids if r in self._ever_stored)
         done = {r for r in self._finished_waiting if self._stores_left.get(r, 0) == 0}
         self._finished_waiting -= done
@@ -268,16 +306,13 @@ class TieredOffloadWorker:
         return (done or None), None
 
     def _collect(self, shared: _Shared, results: list[Any]) -> None:
-        """Book finished store jobs: per request, and the tokens they wrote."""
+        """Book finished store jobs: the tokens they wrote. (A finished job's gate is
+        released: :meth:`_free_store_blocks` lets go of its request's blocks.)"""
         bpb = shared.offloader.bpb
         for result in results:
             req_id = self._store_jobs.pop(result.job_id, None)
-            if req_id is not None:
-                if result.success:
-                    shared.bump("tokens_stored", result.nbytes // bpb * self.block_size)
-                self._stores_left[req_id] -= 1
-                if self._stores_left[req_id] == 0:
-                    del self._stores_left[req_id]
+            if req_id is not None and result.success:
+                shared.bump("tokens_stored", result.nbytes // bpb * self.block_size)
 
     def get_kv_connector_stats(self) -> TieredOffloadStats | None:
         """Counts since the previous call (the connector asks only this half: see

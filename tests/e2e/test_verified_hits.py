@@ -452,6 +452,34 @@ def test_disk_faults_and_hangs_never_fail_a_request(
     assert first["load_errors"] >= first["load_timeouts"], report
 
 
+@pytest.mark.slow
+def test_a_hanging_store_never_holds_the_engine(tmp_path: Path, reference: list[list[int]]) -> None:
+    """An empty disk as the only tier, every call into it hanging 3 s, and
+    ``store_timeout_ms`` 300: each store hands the engine its blocks back once it has
+    read them (the write then hangs on its lane), and the stores queued behind a hung
+    write are abandoned at their deadline, so finished requests' blocks are freed and
+    no request waits for a disk. No request fails, outputs equal the reference."""
+    engine = {"kvoffload": _faulty_tiers(tmp_path / "disk", cpu=False, hang=1.0, hang_s=3.0)}
+    engine["kvoffload"]["config"].update(load_timeout_ms=300, store_timeout_ms=300)
+    t0 = time.monotonic()
+    (result,) = _run(
+        tmp_path, single_process=True, rounds=[BATCH], failure_policy="recompute", **engine
+    )
+    seconds = time.monotonic() - t0
+    c = result["kvoffload"]
+    report = (
+        f"store_timeouts={c.get('store_timeouts')} submitted="
+        f"{c.get('blocks_submitted_for_store')} stored={c.get('tier.disk.blocks_stored')} "
+        f"store_errors={c.get('tier.disk.store_errors')} in {seconds:.0f} s"
+    )
+    print(report)
+    assert result["failed"] == 0, f"{_failures(result)}\n{report}"
+    assert _outputs(result) == reference, report
+    assert c["blocks_submitted_for_store"] >= BATCH_BLOCKS, report
+    assert c["store_timeouts"] > 0, report  # queued behind a hung write: abandoned
+    assert c["store_timeouts"] < c["blocks_submitted_for_store"], report  # some were read
+
+
 # ----------------------------------------------------------------- kill -9
 def _group_alive(pgid: int) -> bool:
     """Whether any process of group ``pgid`` is still running (zombies excepted)."""
