@@ -33,6 +33,7 @@ from kvoffload.metrics import TIER_METRICS
 
 if TYPE_CHECKING:
     from rich.console import Console
+    from rich.progress import Progress
 
     from kvoffload.config import KVOffloadConfig
     from kvoffload.tools.stress import ReplicaSetReport, StressReport
@@ -245,7 +246,6 @@ def _backends() -> int:
 
 def _stress(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from kvoffload.tools.stress import MAX_REPLICAS, StressRunner, shared_tiers
 
@@ -319,14 +319,7 @@ def _stress(args: argparse.Namespace) -> int:
             f"up to {ops} requests / {duration:g} s, seed {runner.seed}"
         )
         show = not args.no_progress and console.is_terminal
-        with Progress(
-            TextColumn("[progress.description]{task.description}"),
-            BarColumn(),
-            TextColumn("{task.completed}/{task.total} requests"),
-            TimeElapsedColumn(),
-            console=console,
-            disable=not show,
-        ) as bar:
+        with _request_bar(console, show) as bar:
             task = bar.add_task("stress", total=ops)
             report = runner.run(
                 ops=ops,
@@ -357,7 +350,6 @@ def _stress_replicas(
     duration: float,
 ) -> int:
     """``stress --replicas N`` (N > 1): N processes, one report each and their totals."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from kvoffload.tools.stress import run_replicas, shared_tiers
 
@@ -373,14 +365,7 @@ def _stress_replicas(
         + (f"; {', '.join(local)}: a directory per replica (PATH.replicaN)" if local else "")
     )
     show = not args.no_progress and console.is_terminal
-    with Progress(
-        TextColumn("[progress.description]{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total} requests"),
-        TimeElapsedColumn(),
-        console=console,
-        disable=not show,
-    ) as bar:
+    with _request_bar(console, show) as bar:
         task = bar.add_task("stress", total=ops * replicas)
         report = run_replicas(
             config,
@@ -694,3 +679,17 @@ def _print_replicas(console: Console, report: ReplicaSetReport) -> None:
         )
     console.print(tiers)
     console.print(f"integrity errors: {report.integrity_errors}")
+
+
+def _request_bar(console: Console, show: bool) -> Progress:
+    """The stress runs' progress bar: requests done of requests planned."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} requests"),
+        TimeElapsedColumn(),
+        console=console,
+        disable=not show,
+    )
