@@ -64,7 +64,7 @@ redis-server:
 	@command -v redis-server >/dev/null || { echo "redis-server missing: apt-get install redis-server" >&2; exit 1; }
 
 pytest: dev redis-server
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest --durations=25
 
 test: lint typecheck pytest
 

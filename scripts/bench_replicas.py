@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))  # redisserver: a real server on a free port
+sys.path.insert(0, str(REPO / "tests"))  # support.redisserver: a real server on a free port
 
-from redisserver import RedisServer  # noqa: E402
+from support.redisserver import RedisServer  # noqa: E402
 
 from kvoffload.config import KVOffloadConfig, load_config  # noqa: E402
 from kvoffload.tools.stress import (  # noqa: E402

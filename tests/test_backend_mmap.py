@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from kvoffload.backends.mmap import ALIGN, MmapBackend
+from support.checkout import SUPPORT
 
 from kvoffload.config import KVOffloadConfig, MmapTierConfig, layout_from_config, load_config
 from kvoffload.exceptions import ConfigError
@@ -21,7 +22,6 @@ from kvoffload.testing import BackendContract, BackendFactory, make_backend
 from kvoffload.tier import Tier, build_tiers
 from kvoffload.tools.stress import BlockDataGenerator
 
-HERE = Path(__file__).parent
 STRESS_LAYOUT = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 32, "block_size": 16}  # 8 KiB
 
 
@@ -252,7 +252,7 @@ def test_full_disk_fails_stores_cleanly_and_loads_keep_working(tmp_path: Path) -
     proc = subprocess.run(
         [
             sys.executable,
-            str(HERE / "tierproc.py"),
+            str(SUPPORT / "tierproc.py"),
             "fill_past_limit",
             json.dumps(raw),
             str(limit),

@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from checkout import TRACE
+from support.checkout import TRACE
 
 from kvoffload.config import load_config
 from kvoffload.tools.bench import run_bench

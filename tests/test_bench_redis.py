@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from redisserver import RedisClusterProcs, RedisServer, require_redis
+from support.redisserver import RedisClusterProcs, RedisServer, require_redis
 
 from kvoffload.config import load_config
 from kvoffload.tools.bench import _disk_rows, _redis_rows

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from test_offloader import _keys
+from support.blocks import make_keys
 
 from kvoffload.books import Books
 from kvoffload.config import load_config
@@ -70,7 +70,7 @@ def _land(books: Books, order: Copy) -> list[Copy]:
 
 def test_write_through_cascades_tier_by_tier_from_the_written_buffer() -> None:
     books, _ = _books({}, {})
-    keys = _keys(5)
+    keys = make_keys(5)
     _, orders = _store(books, keys)
     (copy,) = orders
     assert (copy.source, copy.write.tier, copy.write.keys, copy.write.rows) == (
@@ -92,10 +92,10 @@ def test_write_through_cascades_tier_by_tier_from_the_written_buffer() -> None:
 
 def test_on_evict_demotes_exactly_what_the_first_tier_evicts() -> None:
     books, _ = _books({"write_policy": "on_evict"}, blocks=(4, 16))
-    first = _keys(4)
+    first = make_keys(4)
     _, orders = _store(books, first)
     assert orders == []  # on_evict: nothing goes down while the first tier has room
-    w = books.plan_store(_keys(2, salt=1), [0, 1], 0.0)
+    w = books.plan_store(make_keys(2, salt=1), [0, 1], 0.0)
     assert w is not None
     assert w.demote
     assert [k for k, _ in w.evicted] == first[:2]  # least recently used first
@@ -114,7 +114,7 @@ def test_on_evict_demotes_exactly_what_the_first_tier_evicts() -> None:
 
 def test_admission_copies_a_block_down_at_its_nth_load() -> None:
     books, _ = _books({"admit_after_hits": 2})
-    keys = _keys(3)
+    keys = make_keys(3)
     _, orders = _store(books, keys)
     assert orders == []
     assert books.stats[1].not_admitted == 3
@@ -141,15 +141,15 @@ def test_admission_copies_a_block_down_at_its_nth_load() -> None:
 def test_a_full_queue_drops_the_store_and_says_so() -> None:
     books, fake = _books()
     fake.depth[0] = books.configs[0].max_pending_stores
-    assert books.plan_store(_keys(4), [0, 1, 2, 3], 0.0) is None
+    assert books.plan_store(make_keys(4), [0, 1, 2, 3], 0.0) is None
     assert books.stats[0].dropped_stores == 4
     fake.depth[0] = 0
-    assert books.plan_store(_keys(4), [0, 1, 2, 3], 0.0) is not None
+    assert books.plan_store(make_keys(4), [0, 1, 2, 3], 0.0) is not None
 
 
 def test_a_corrupt_block_ends_the_prefix_and_leaves_its_tier_for_good() -> None:
     books, fake = _books({}, blocks=(2, 16))
-    keys = _keys(6)
+    keys = make_keys(6)
     for i in range(0, 6, 2):  # the cpu tier keeps the last two; tier 1 holds all six
         _, orders = _store(books, keys[i : i + 2])
         for order in orders:
@@ -168,11 +168,11 @@ def test_a_corrupt_block_ends_the_prefix_and_leaves_its_tier_for_good() -> None:
 
 def test_a_claim_waits_for_its_prefetch_and_then_pins_the_first_tier_only() -> None:
     books, _ = _books({}, blocks=(8, 16))
-    keys = _keys(6)
+    keys = make_keys(6)
     _, orders = _store(books, keys)
     for order in orders:
         _land(books, order)
-    filler = _keys(8, salt=1)
+    filler = make_keys(8, salt=1)
     _store(books, filler)  # evicts all six from the cpu tier (tier 1 keeps them)
     assert books.managers[0].lookup(keys) == 0
     plan, started = books.claim("r1", keys)

@@ -10,15 +10,15 @@ from typing import Any
 
 import pytest
 import torch
-from test_offloader import (
+from support.blocks import (
     BPB,
     LAYOUT,
-    _assert_pool_holds,
-    _keys,
-    _offloader,
-    _store,
-    _tiers,
+    assert_pool_holds,
     corrupt_mmap_payload,
+    make_keys,
+    make_offloader,
+    store_and_settle,
+    three_tiers,
 )
 
 from kvoffload.blockpool import BlockPool
@@ -52,12 +52,12 @@ def _load(off: Offloader, plan: LoadPlan, ids: list[int]) -> int:
 def _cold(tmp_path: Path, pool: BlockPool, n: int, cpu_blocks: int = 32) -> tuple[Any, list[Any]]:
     """An Offloader whose first ``n`` keys were stored, then evicted from the cpu tier
     (so only the mmap tier holds them)."""
-    off = _offloader(_tiers(tmp_path, cpu_blocks=cpu_blocks)[:2], pool)
-    keys = _keys(n)
-    _store(off, keys, list(range(n)))
-    filler = _keys(cpu_blocks, salt=9)
+    off = make_offloader(three_tiers(tmp_path, cpu_blocks=cpu_blocks)[:2], pool)
+    keys = make_keys(n)
+    store_and_settle(off, keys, list(range(n)))
+    filler = make_keys(cpu_blocks, salt=9)
     for i in range(0, cpu_blocks, 8):
-        _store(off, filler[i : i + 8], list(range(8)))
+        store_and_settle(off, filler[i : i + 8], list(range(8)))
     assert off.tiers[0].manager.lookup(keys) == 0
     assert off.lookup(keys) == n
     return off, keys
@@ -74,7 +74,7 @@ def test_claim_prefetches_from_disk_then_loads_from_cpu_only(
         assert {r.tier for r in plan.runs} == {0}  # the load reads the cpu tier only
         assert off.pinned() == [12, 0]
         assert _load(off, plan, list(range(20, 32))) == 12
-        _assert_pool_holds(pool, keys, list(range(20, 32)))
+        assert_pool_holds(pool, keys, list(range(20, 32)))
         assert off.pinned() == [0, 0]
         ps = off.prefetch_stats
         assert (ps.prefetched, ps.hits, ps.wasted, ps.failed) == (12, 12, 0, 0)
@@ -95,7 +95,7 @@ def test_corrupt_disk_block_shortens_the_claim_before_any_load(
         plan = _claim(off, "r1", keys)
         assert plan.hits == where  # decided short: nothing after the bad block claimed
         assert _load(off, plan, list(range(20, 32))) == where  # and all of it loads
-        _assert_pool_holds(pool, keys[:where], list(range(20, 20 + where)))
+        assert_pool_holds(pool, keys[:where], list(range(20, 20 + where)))
         assert off.stats[1].corrupt_blocks == 1
         assert off.tiers[1].manager.state(keys[where]) is None  # dropped for good
         assert off.prefetch_stats.failed == 1
@@ -121,7 +121,7 @@ def test_owners_share_one_prefetch_and_an_aborted_one_releases_everything(
         assert part.keys == keys[2:6]
         assert off.pinned() == [4, 0]
         assert _load(off, part, list(range(40, 44))) == 4
-        _assert_pool_holds(pool, keys[2:6], list(range(40, 44)))
+        assert_pool_holds(pool, keys[2:6], list(range(40, 44)))
         assert off.prefetch_stats.prefetched == 12
         assert off.prefetch_stats.hits == 4
         assert off.pinned() == [0, 0]
@@ -148,7 +148,7 @@ def test_a_thousand_aborted_claims_leak_nothing(tmp_path: Path, pool: BlockPool)
         plan = _claim(off, "last", keys)
         assert plan.hits == 12
         assert _load(off, plan, list(range(20, 32))) == 12
-        _assert_pool_holds(pool, keys, list(range(20, 32)))
+        assert_pool_holds(pool, keys, list(range(20, 32)))
 
 
 def test_a_cancelled_prefetch_frees_its_reserved_slots(tmp_path: Path, pool: BlockPool) -> None:
@@ -172,13 +172,13 @@ def test_a_cancelled_prefetch_frees_its_reserved_slots(tmp_path: Path, pool: Blo
 
 def test_prefetches_are_bounded_by_the_budget(tmp_path: Path, pool: BlockPool) -> None:
     """With room for 4 blocks in flight, a 12-block claim is prefetched in rounds."""
-    tiers = _tiers(tmp_path, cpu_blocks=32)[:2]
+    tiers = three_tiers(tmp_path, cpu_blocks=32)[:2]
     cfg = load_config({"tiers": tiers, "prefetch_max_inflight": 4 * BPB}, env={})
     off = Offloader(cfg, LAYOUT, pool)
-    keys = _keys(12)
-    _store(off, keys, list(range(12)))
+    keys = make_keys(12)
+    store_and_settle(off, keys, list(range(12)))
     for i in range(0, 32, 8):
-        _store(off, _keys(8, salt=100 + i), list(range(8)))
+        store_and_settle(off, make_keys(8, salt=100 + i), list(range(8)))
     with off:
         seen = 0
         while (plan := off.claim("r", keys)) is None:
@@ -187,23 +187,23 @@ def test_prefetches_are_bounded_by_the_budget(tmp_path: Path, pool: BlockPool) -
         assert plan.hits == 12
         assert seen <= 4
         assert _load(off, plan, list(range(20, 32))) == 12
-        _assert_pool_holds(pool, keys, list(range(20, 32)))
+        assert_pool_holds(pool, keys, list(range(20, 32)))
 
 
 def test_lmdb_blocks_are_prefetched_and_verified_too(tmp_path: Path, pool: BlockPool) -> None:
-    tiers = _tiers(tmp_path, cpu_blocks=16)
+    tiers = three_tiers(tmp_path, cpu_blocks=16)
     tiers = [tiers[0], tiers[2]]  # cpu -> lmdb
-    off = _offloader(tiers, pool)
-    keys = _keys(10)
-    _store(off, keys, list(range(10)))
+    off = make_offloader(tiers, pool)
+    keys = make_keys(10)
+    store_and_settle(off, keys, list(range(10)))
     for i in range(0, 16, 8):
-        _store(off, _keys(8, salt=50 + i), list(range(8)))
+        store_and_settle(off, make_keys(8, salt=50 + i), list(range(8)))
     with off:
         assert off.tiers[0].manager.lookup(keys) == 0
         plan = _claim(off, "r", keys)
         assert plan.hits == 10
         assert _load(off, plan, list(range(20, 30))) == 10
-        _assert_pool_holds(pool, keys, list(range(20, 30)))
+        assert_pool_holds(pool, keys, list(range(20, 30)))
         assert off.check() == []
 
 

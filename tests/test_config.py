@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from checkout import KVOFFLOAD
+from support.checkout import KVOFFLOAD
 
 from kvoffload import registry
 from kvoffload.config import KVOffloadConfig, config_schema, load_config

@@ -39,7 +39,6 @@ import traceback
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -58,6 +57,7 @@ from kvoffload.connectors.vllm import (
 )
 from kvoffload.connectors.vllm.books import _BooksServer, _RemoteBooks
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from support.engine_run import write_tiny_llama
 from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.sampling_params import SamplingParams
@@ -66,9 +66,6 @@ from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
 from vllm.v1.request import Request
-
-sys.path.insert(0, str(Path(__file__).parent / "e2e"))
-from engine_run import write_tiny_llama
 
 BLOCK = 16  # tokens per block
 LAYERS, HEADS, DIM = 2, 2, 32  # the tiny Llama's KV shape

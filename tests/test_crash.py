@@ -18,14 +18,15 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
+from support.checkout import SUPPORT
 
 from kvoffload.config import layout_from_config, load_config
 from kvoffload.keys import BlockKey
 from kvoffload.tier import build_tiers
 from kvoffload.tools.stress import BlockDataGenerator
 
-HERE = Path(__file__).parent
 ROUNDS = 10
 
 
@@ -33,7 +34,7 @@ def _run_until_killed(raw: dict[str, object], round_no: int, delay: float) -> li
     """The child's complete output lines, in order, up to the moment it was killed."""
     cmd = [
         sys.executable,
-        str(HERE / "tierproc.py"),
+        str(SUPPORT / "tierproc.py"),
         "store_forever",
         json.dumps(raw),
         str(round_no),
@@ -70,6 +71,7 @@ def _run_until_killed(raw: dict[str, object], round_no: int, delay: float) -> li
     return data.decode().split("\n")[:-1]
 
 
+@pytest.mark.slow
 def test_kill_9_during_stores_loses_nothing_acknowledged_and_serves_nothing_corrupt(
     tmp_path: Path,
 ) -> None:

@@ -28,11 +28,13 @@ from typing import Any
 
 import pytest
 import torch
+from support.blocks import block_content, make_keys
+from support.ci_rules import IN_CI
 
 from kvoffload.blockpool import BlockPool
 from kvoffload.config import load_config
 from kvoffload.exceptions import ConfigError
-from kvoffload.keys import ROOT_KEY, BlockKey, chain_key
+from kvoffload.keys import BlockKey
 from kvoffload.layout import KVLayout
 from kvoffload.offloader import Offloader
 
@@ -43,7 +45,6 @@ BPB = LAYOUT.bytes_per_block  # 32 KiB
 BATCH = 8
 POOL = 2 * BATCH
 FS_BYTES = 8 * 1024**2
-IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")  # as tests/conftest.py
 
 # The disk tiers: larger than the filesystem (the slab is sparse, the LMDB map is only
 # address space), and every failure reaches the tier (no circuit breaker), so each one
@@ -111,16 +112,11 @@ def _fill_up(path: Path) -> int:
 
 # -- blocks ----------------------------------------------------------------------------
 def _keys(salt: int) -> list[BlockKey]:
-    keys, parent = [], ROOT_KEY
-    for i in range(BATCH):
-        parent = chain_key(parent, f"{salt}:{i}".encode())
-        keys.append(parent)
-    return keys
+    return make_keys(BATCH, salt)
 
 
 def _content(key: BlockKey) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(int.from_bytes(key[:7], "little"))
-    return torch.randint(0, 256, (BPB,), dtype=torch.uint8, generator=gen)
+    return block_content(key, BPB)
 
 
 def _offloader(disk: dict[str, Any], fs: Path) -> Offloader:

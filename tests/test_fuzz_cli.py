@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from checkout import KVOFFLOAD
 from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
+from support.checkout import KVOFFLOAD
 
 from kvoffload.sizes import parse_size
 from kvoffload.tools.cli import _parser, main
@@ -570,6 +570,7 @@ def all_cases(f: Files) -> st.SearchStrategy[Case]:
     return st.one_of(group_cases(), *(leaf_cases(cmd) for cmd in commands(f)))
 
 
+@pytest.mark.slow
 # ------------------------------------------------------------------------- the tests
 @CASES
 @given(data=st.data())

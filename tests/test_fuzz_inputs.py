@@ -17,6 +17,7 @@ import string
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -82,6 +83,7 @@ def _one_line_naming(exc: KVOffloadError, name: str) -> None:
     assert name in text, (name, text)
 
 
+@pytest.mark.slow
 @CASES
 @given(raw=configs)
 def test_config_mappings_are_accepted_or_refused_in_one_line(raw: dict[str, Any]) -> None:
@@ -91,6 +93,7 @@ def test_config_mappings_are_accepted_or_refused_in_one_line(raw: dict[str, Any]
         _one_line_naming(exc, "<dict>")
 
 
+@pytest.mark.slow
 @CASES
 @given(text=st.one_of(st.text(max_size=200), configs.map(yaml.safe_dump)))
 def test_config_files_are_accepted_or_refused_in_one_line(tmp_path: Path, text: str) -> None:
@@ -124,6 +127,7 @@ env_names = st.one_of(
 )
 
 
+@pytest.mark.slow
 @CASES
 @given(
     env=st.dictionaries(
@@ -149,6 +153,7 @@ trace_lines = st.one_of(
 )
 
 
+@pytest.mark.slow
 @CASES
 @given(lines=st.lists(trace_lines, max_size=5))
 def test_trace_files_are_accepted_or_refused_in_one_line(tmp_path: Path, lines: list[str]) -> None:
@@ -205,6 +210,7 @@ def snapshots(draw: st.DrawFn) -> bytes:
     return bytes(data)
 
 
+@pytest.mark.slow
 @CASES
 @given(data=snapshots())
 def test_snapshot_files_are_accepted_or_refused_in_one_line(tmp_path: Path, data: bytes) -> None:

@@ -13,15 +13,15 @@ from typing import Any
 
 import pytest
 import torch
-from test_offloader import (
+from support.blocks import (
     BPB,
     LAYOUT,
-    _assert_pool_holds,
-    _keys,
-    _offloader,
-    _store,
-    _tiers,
+    assert_pool_holds,
     corrupt_mmap_payload,
+    make_keys,
+    make_offloader,
+    store_and_settle,
+    three_tiers,
 )
 
 from kvoffload.blockpool import BlockPool
@@ -150,13 +150,13 @@ def _layerwise_load(off: Offloader, keys: list[Any], ids: list[int]) -> tuple[in
 
 def test_layerwise_load_from_the_cpu_tier_is_bit_exact(tmp_path: Path) -> None:
     pool = BlockPool.allocate(LAYOUT, 64)
-    with _offloader(_tiers(tmp_path, cpu_blocks=16)[:1], pool) as off:
-        keys = _keys(8, salt=5)
-        _store(off, keys, list(range(8)))
+    with make_offloader(three_tiers(tmp_path, cpu_blocks=16)[:1], pool) as off:
+        keys = make_keys(8, salt=5)
+        store_and_settle(off, keys, list(range(8)))
         loaded, progress = _layerwise_load(off, keys, list(range(40, 48)))
         assert loaded == 8
         assert progress.layers_done == LAYOUT.num_layers
-        _assert_pool_holds(pool, keys, list(range(40, 48)))
+        assert_pool_holds(pool, keys, list(range(40, 48)))
         assert off.pinned() == [0]
 
 
@@ -164,16 +164,16 @@ def test_layerwise_load_stops_at_a_corrupt_block_below(tmp_path: Path) -> None:
     """From a lower tier (promoted through the staging buffer): the valid prefix loads
     layer by layer, the corrupt block ends it, and it is dropped as usual."""
     pool = BlockPool.allocate(LAYOUT, 64)
-    with _offloader(_tiers(tmp_path, cpu_blocks=8)[:2], pool) as off:
-        keys = _keys(16, salt=6)
-        _store(off, keys[:8], list(range(8)))
-        _store(off, keys[8:], list(range(8)))
+    with make_offloader(three_tiers(tmp_path, cpu_blocks=8)[:2], pool) as off:
+        keys = make_keys(16, salt=6)
+        store_and_settle(off, keys[:8], list(range(8)))
+        store_and_settle(off, keys[8:], list(range(8)))
         assert off.drain()
         corrupt_mmap_payload(off, keys[3])  # in the mmap tier only now
         loaded, progress = _layerwise_load(off, keys, list(range(16, 32)))
         assert loaded == 3
         assert progress.layers_done == LAYOUT.num_layers  # the prefix's layers
-        _assert_pool_holds(pool, keys[:3], list(range(16, 19)))
+        assert_pool_holds(pool, keys[:3], list(range(16, 19)))
         assert off.stats[1].corrupt_blocks == 1
 
 
@@ -182,9 +182,9 @@ def test_a_failed_layerwise_copy_is_a_miss_and_releases_the_waiters(tmp_path: Pa
     blocks (the engine reports them as load errors), no exception escapes, no layer
     is reported, and a thread waiting for the last layer is released."""
     pool = BlockPool.allocate(LAYOUT, 64)
-    with _offloader(_tiers(tmp_path, cpu_blocks=16)[:1], pool) as off:
-        keys = _keys(4, salt=7)
-        _store(off, keys, list(range(4)))
+    with make_offloader(three_tiers(tmp_path, cpu_blocks=16)[:1], pool) as off:
+        keys = make_keys(4, salt=7)
+        store_and_settle(off, keys, list(range(4)))
         loaded, progress = _layerwise_load(off, keys, [10, 11, 12, 64])
         assert loaded == 0
         assert progress.layers_done == 0

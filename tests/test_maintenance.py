@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from checkout import KVOFFLOAD
 from kvoffload.backends.mmap import ALIGN, MmapBackend
+from support.checkout import KVOFFLOAD
 
 from kvoffload.config import KVOffloadConfig, layout_from_config, load_config
 from kvoffload.exceptions import LayoutMismatchError
@@ -104,6 +104,7 @@ def test_verify_finds_every_corrupted_block_and_repair_frees_them(tmp_path: Path
     assert [i for i, h in enumerate(held) if not h] == bad_slots
 
 
+@pytest.mark.slow
 def test_verify_cli_exit_codes_and_json(tmp_path: Path) -> None:
     cfg_path = tmp_path / "c.yaml"
     cfg_path.write_text(yaml.safe_dump(raw_config(tmp_path / "t")))

@@ -25,7 +25,7 @@ from types import SimpleNamespace
 from typing import Final
 
 import pytest
-from checkout import REPO
+from support.checkout import REPO
 
 from kvoffload import books, offloader
 from kvoffload.metrics import (

@@ -3,60 +3,29 @@ admission, backpressure and corruption, every loaded block compared bit for bit.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
+from support.blocks import (
+    BPB,
+    LAYOUT,
+    POOL,
+    assert_pool_holds,
+    corrupt_mmap_payload,
+    fill_pool,
+    make_keys,
+    make_offloader,
+    store_and_settle,
+    three_tiers,
+)
 
 from kvoffload.blockpool import BlockPool
 from kvoffload.config import load_config
-from kvoffload.keys import ROOT_KEY, BlockKey, chain_key
-from kvoffload.layout import KVLayout
+from kvoffload.keys import BlockKey
 from kvoffload.offloader import Offloader
-
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, namespace="t-off")
-BPB = LAYOUT.bytes_per_block  # 16 KiB
-POOL = 64
-
-
-def _keys(n: int, salt: int = 0) -> list[BlockKey]:
-    keys, parent = [], ROOT_KEY
-    for i in range(n):
-        parent = chain_key(parent, f"{salt}:{i}".encode())
-        keys.append(parent)
-    return keys
-
-
-def _content(key: BlockKey) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(int.from_bytes(key[:7], "little"))
-    return torch.randint(0, 256, (BPB,), dtype=torch.uint8, generator=gen)
-
-
-def _fill(pool: BlockPool, keys: list[BlockKey], ids: list[int]) -> None:
-    pool.scatter(ids, torch.stack([_content(k) for k in keys]))
-
-
-def _assert_pool_holds(pool: BlockPool, keys: list[BlockKey], ids: list[int]) -> None:
-    got = pool.gather(ids)
-    for i, key in enumerate(keys):
-        assert torch.equal(got[i], _content(key)), f"block {i} differs"
-
-
-def _tiers(tmp: Path, cpu_blocks: int, **lower: Any) -> list[dict[str, Any]]:
-    mmap = {
-        "name": "ssd",
-        "backend": "mmap",
-        "capacity": 256 * (BPB + 4096),
-        "path": str(tmp / "m"),
-    }
-    lmdb = {"name": "db", "backend": "lmdb", "capacity": 512 * (BPB + 4096), "path": str(tmp / "l")}
-    mmap.update(lower.get("ssd", {}))
-    lmdb.update(lower.get("db", {}))
-    return [{"name": "cpu", "backend": "cpu", "capacity": cpu_blocks * BPB}, mmap, lmdb]
 
 
 @pytest.fixture
@@ -64,26 +33,11 @@ def pool() -> BlockPool:
     return BlockPool.allocate(LAYOUT, POOL)
 
 
-def _offloader(tiers: list[dict[str, Any]], pool: BlockPool) -> Offloader:
-    return Offloader(load_config({"tiers": tiers}, env={}), LAYOUT, pool)
-
-
 @pytest.fixture
 def three(tmp_path: Path, pool: BlockPool) -> Iterator[Offloader]:
-    off = _offloader(_tiers(tmp_path, cpu_blocks=16), pool)
+    off = make_offloader(three_tiers(tmp_path, cpu_blocks=16), pool)
     yield off
     off.close()
-
-
-def _store(off: Offloader, keys: list[BlockKey], ids: list[int]) -> None:
-    assert off.pool is not None
-    _fill(off.pool, keys, ids)
-    job = off.submit_store(keys, ids)
-    assert job is not None
-    (res,) = off.wait([job], timeout=30)
-    assert res.success, res.error
-    # Write-through copies pin their source until done: settle before the next store.
-    assert off.drain()
 
 
 def _load(off: Offloader, keys: list[BlockKey], ids: list[int]) -> int:
@@ -95,37 +49,24 @@ def _load(off: Offloader, keys: list[BlockKey], ids: list[int]) -> int:
     return res.nbytes // BPB
 
 
-def corrupt_mmap_payload(off: Offloader, key: BlockKey) -> None:
-    """Overwrite 64 payload bytes of ``key``'s block in the mmap tier's slab file."""
-    slot = off.tiers[1].manager.state(key).slot  # type: ignore[union-attr]
-    backend: Any = off.tiers[1].backend
-    slab, index = backend._locate(slot)  # the slot's payload in its slab file
-    fd = os.open(slab.path, os.O_WRONLY)  # buffered: the tier's own fd is O_DIRECT
-    try:
-        os.pwrite(fd, b"\xff" * 64, slab.data_offset + index * backend.stride + 100)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _held(off: Offloader, tier: int, keys: list[BlockKey]) -> int:
     return sum(off.tiers[tier].manager.state(k) is not None for k in keys)
 
 
 def test_store_then_load_from_cpu_is_bit_exact(three: Offloader, pool: BlockPool) -> None:
-    keys = _keys(8)
-    _store(three, keys, list(range(8)))
+    keys = make_keys(8)
+    store_and_settle(three, keys, list(range(8)))
     pool.scatter(list(range(8, 16)), torch.zeros(8, BPB, dtype=torch.uint8))
     assert _load(three, keys, list(range(8, 16))) == 8
-    _assert_pool_holds(pool, keys, list(range(8, 16)))
+    assert_pool_holds(pool, keys, list(range(8, 16)))
     assert three.stats[0].hits == 8
     assert three.stats[1].hits == three.stats[2].hits == 0
     assert three.check() == []
 
 
 def test_write_through_reaches_every_tier(three: Offloader) -> None:
-    keys = _keys(10)
-    _store(three, keys, list(range(10)))
+    keys = make_keys(10)
+    store_and_settle(three, keys, list(range(10)))
     assert three.drain()
     assert [_held(three, t, keys) for t in range(3)] == [10, 10, 10]
     assert [s.blocks_stored for s in three.stats] == [10, 10, 10]
@@ -136,13 +77,13 @@ def test_block_evicted_from_cpu_loads_from_below_and_is_promoted(
     tmp_path: Path, pool: BlockPool, lower_tier: int
 ) -> None:
     # A 16-block CPU tier, 40 blocks stored: the first ones leave the CPU tier.
-    tiers = _tiers(tmp_path, cpu_blocks=16)
+    tiers = three_tiers(tmp_path, cpu_blocks=16)
     if lower_tier == 2:  # a tiny mmap tier, so only LMDB still holds the oldest blocks
         tiers[1]["capacity"] = 8 * (BPB + 4096)
-    with _offloader(tiers, pool) as off:
-        keys = _keys(40)
+    with make_offloader(tiers, pool) as off:
+        keys = make_keys(40)
         for i in range(0, 40, 8):
-            _store(off, keys[i : i + 8], list(range(8)))
+            store_and_settle(off, keys[i : i + 8], list(range(8)))
             assert off.drain()
         first = keys[:8]
         assert _held(off, 0, first) == 0
@@ -151,7 +92,7 @@ def test_block_evicted_from_cpu_loads_from_below_and_is_promoted(
             assert _held(off, 1, first) == 0
         pool.scatter(list(range(8)), torch.zeros(8, BPB, dtype=torch.uint8))
         assert _load(off, first, list(range(8, 16))) == 8
-        _assert_pool_holds(pool, first, list(range(8, 16)))
+        assert_pool_holds(pool, first, list(range(8, 16)))
         assert off.stats[lower_tier].hits == 8
         assert off.stats[0].promotions == 8
         # Promoted: the next load of the same prefix is served by the CPU tier (the
@@ -159,51 +100,51 @@ def test_block_evicted_from_cpu_loads_from_below_and_is_promoted(
         assert _held(off, 0, first) == 8
         assert off.drain()
         assert _load(off, first, list(range(16, 24))) == 8
-        _assert_pool_holds(pool, first, list(range(16, 24)))
+        assert_pool_holds(pool, first, list(range(16, 24)))
         assert off.stats[0].hits == 8
         assert off.drain()
         assert off.check() == []
 
 
 def test_prefix_split_across_tiers_loads_in_order(tmp_path: Path, pool: BlockPool) -> None:
-    with _offloader(_tiers(tmp_path, cpu_blocks=16), pool) as off:
-        keys = _keys(24)
-        _store(off, keys[:12], list(range(12)))
+    with make_offloader(three_tiers(tmp_path, cpu_blocks=16), pool) as off:
+        keys = make_keys(24)
+        store_and_settle(off, keys[:12], list(range(12)))
         assert off.drain()
-        _store(off, keys[12:24], list(range(12)))  # evicts keys[:8] from the CPU tier
+        store_and_settle(off, keys[12:24], list(range(12)))  # evicts keys[:8] from the CPU tier
         assert off.drain()
         assert _held(off, 0, keys[:8]) == 0
         assert _load(off, keys, list(range(24, 48))) == 24
-        _assert_pool_holds(pool, keys, list(range(24, 48)))
+        assert_pool_holds(pool, keys, list(range(24, 48)))
         assert off.stats[1].hits == 8
         assert off.stats[0].hits == 16
 
 
 def test_on_evict_writes_only_what_the_cpu_tier_evicts(tmp_path: Path, pool: BlockPool) -> None:
-    tiers = _tiers(tmp_path, cpu_blocks=16, ssd={"write_policy": "on_evict"}, db={})
+    tiers = three_tiers(tmp_path, cpu_blocks=16, ssd={"write_policy": "on_evict"}, db={})
     tiers[2]["write_policy"] = "on_evict"
-    with _offloader(tiers, pool) as off:
-        keys = _keys(24)
-        _store(off, keys[:16], list(range(16)))
+    with make_offloader(tiers, pool) as off:
+        keys = make_keys(24)
+        store_and_settle(off, keys[:16], list(range(16)))
         assert off.drain()
         assert _held(off, 1, keys) == 0  # nothing evicted yet, nothing written below
-        _store(off, keys[16:], list(range(8)))
+        store_and_settle(off, keys[16:], list(range(8)))
         assert off.drain()
         assert _held(off, 0, keys[:8]) == 0
         assert _held(off, 1, keys[:8]) == 8  # exactly the evicted ones
         assert off.stats[1].blocks_stored == 8
         pool.scatter(list(range(8)), torch.zeros(8, BPB, dtype=torch.uint8))
         assert _load(off, keys[:8], list(range(32, 40))) == 8
-        _assert_pool_holds(pool, keys[:8], list(range(32, 40)))
+        assert_pool_holds(pool, keys[:8], list(range(32, 40)))
 
 
 def test_admit_after_hits_keeps_one_shot_blocks_off_the_ssd(
     tmp_path: Path, pool: BlockPool
 ) -> None:
-    tiers = _tiers(tmp_path, cpu_blocks=32, ssd={"admit_after_hits": 2})
-    with _offloader(tiers, pool) as off:
-        hot, cold = _keys(4, salt=1), _keys(4, salt=2)
-        _store(off, hot + cold, list(range(8)))
+    tiers = three_tiers(tmp_path, cpu_blocks=32, ssd={"admit_after_hits": 2})
+    with make_offloader(tiers, pool) as off:
+        hot, cold = make_keys(4, salt=1), make_keys(4, salt=2)
+        store_and_settle(off, hot + cold, list(range(8)))
         assert off.drain()
         assert _held(off, 1, hot + cold) == 0
         assert off.stats[1].not_admitted == 8
@@ -217,30 +158,30 @@ def test_admit_after_hits_keeps_one_shot_blocks_off_the_ssd(
 
 
 def test_pins_hold_while_a_load_is_planned(tmp_path: Path, pool: BlockPool) -> None:
-    with _offloader(_tiers(tmp_path, cpu_blocks=16), pool) as off:
-        keys = _keys(8)
-        _store(off, keys, list(range(8)))
+    with make_offloader(three_tiers(tmp_path, cpu_blocks=16), pool) as off:
+        keys = make_keys(8)
+        store_and_settle(off, keys, list(range(8)))
         plan = off.prepare_load(keys)
         assert plan.hits == 8
         # 24 more blocks through a 16-block tier: everything unpinned is evicted.
         for i in range(3):
-            more = _keys(8, salt=10 + i)
-            _store(off, more, list(range(8, 16)))
+            more = make_keys(8, salt=10 + i)
+            store_and_settle(off, more, list(range(8, 16)))
             assert off.drain()  # write-through copies pin their source until done
         assert _held(off, 0, keys) == 8
         job = off.submit_load(plan, list(range(16, 24)))
         assert job is not None
         (res,) = off.wait([job], timeout=30)
         assert res.nbytes == 8 * BPB
-        _assert_pool_holds(pool, keys, list(range(16, 24)))
+        assert_pool_holds(pool, keys, list(range(16, 24)))
         assert all(off.tiers[0].manager.state(k).ref_cnt == 0 for k in keys)  # type: ignore[union-attr]
 
 
 def test_cancelled_plan_releases_pins_and_promotion_slots(tmp_path: Path, pool: BlockPool) -> None:
-    with _offloader(_tiers(tmp_path, cpu_blocks=16), pool) as off:
-        keys = _keys(24)
+    with make_offloader(three_tiers(tmp_path, cpu_blocks=16), pool) as off:
+        keys = make_keys(24)
         for i in range(0, 24, 8):
-            _store(off, keys[i : i + 8], list(range(8)))
+            store_and_settle(off, keys[i : i + 8], list(range(8)))
         plan = off.prepare_load(keys[:16])  # keys[:8] only below: promoted
         assert plan.hits == 16
         assert len(plan.promote_keys) == 8
@@ -256,17 +197,17 @@ def test_cancelled_plan_releases_pins_and_promotion_slots(tmp_path: Path, pool: 
 
 
 def test_corrupt_block_below_is_a_miss_and_dropped(tmp_path: Path, pool: BlockPool) -> None:
-    tiers = _tiers(tmp_path, cpu_blocks=8)
+    tiers = three_tiers(tmp_path, cpu_blocks=8)
     tiers = tiers[:2]  # cpu -> mmap only
-    with _offloader(tiers, pool) as off:
-        keys = _keys(16)
-        _store(off, keys[:8], list(range(8)))
-        _store(off, keys[8:], list(range(8)))
+    with make_offloader(tiers, pool) as off:
+        keys = make_keys(16)
+        store_and_settle(off, keys[:8], list(range(8)))
+        store_and_settle(off, keys[8:], list(range(8)))
         assert off.drain()
         victim = keys[3]  # in mmap only now
         corrupt_mmap_payload(off, victim)
         assert _load(off, keys, list(range(16, 32))) == 3
-        _assert_pool_holds(pool, keys[:3], list(range(16, 19)))
+        assert_pool_holds(pool, keys[:3], list(range(16, 19)))
         assert off.stats[1].corrupt_blocks == 1
         assert off.tiers[1].manager.state(victim) is None  # dropped: a miss from now on
         assert off.lookup(keys) == 3
@@ -277,16 +218,16 @@ def test_slow_tier_drops_stores_and_never_blocks_the_caller(
 ) -> None:
     # The mmap tier is throttled to 2 MB/s, far below what the engine stores (~16 MB
     # per round); its queue holds 2 jobs.
-    tiers = _tiers(
+    tiers = three_tiers(
         tmp_path, cpu_blocks=512, ssd={"write_throttle": 2_000_000, "max_pending_stores": 2}
     )[:2]
     tiers[0]["max_pending_stores"] = 64
-    with _offloader(tiers, pool) as off:
+    with make_offloader(tiers, pool) as off:
         submit_s: list[float] = []
         jobs = []
         for r in range(40):
-            keys = _keys(8, salt=100 + r)
-            _fill(pool, keys, list(range(8)))
+            keys = make_keys(8, salt=100 + r)
+            fill_pool(pool, keys, list(range(8)))
             t0 = time.perf_counter()
             job = off.submit_store(keys, list(range(8)))
             submit_s.append(time.perf_counter() - t0)
@@ -305,18 +246,18 @@ def test_slow_tier_drops_stores_and_never_blocks_the_caller(
 
 
 def test_close_with_jobs_in_flight_does_not_hang(tmp_path: Path, pool: BlockPool) -> None:
-    tiers = _tiers(tmp_path, cpu_blocks=64, ssd={"write_throttle": 8_000_000})[:2]
-    off = _offloader(tiers, pool)
+    tiers = three_tiers(tmp_path, cpu_blocks=64, ssd={"write_throttle": 8_000_000})[:2]
+    off = make_offloader(tiers, pool)
     for r in range(6):
-        keys = _keys(8, salt=200 + r)
-        _fill(pool, keys, list(range(8)))
+        keys = make_keys(8, salt=200 + r)
+        fill_pool(pool, keys, list(range(8)))
         assert off.submit_store(keys, list(range(8))) is not None
     t0 = time.perf_counter()
     off.close()
     assert time.perf_counter() - t0 < 10
     off.close()  # idempotent
     # Reopened, the mmap tier holds what was written before close, all intact.
-    with _offloader(tiers, pool) as again:
+    with make_offloader(tiers, pool) as again:
         assert len(again.tiers[1].manager) > 0
         assert again.check() == []
 
@@ -325,17 +266,17 @@ def test_events_are_recorded_only_when_asked(tmp_path: Path, pool: BlockPool) ->
     """Undrained event records would grow with every block ever stored: an Offloader
     records none unless built with ``events=True`` (the vLLM connector with KV events
     on), and then every tier's stores show up once, with their tier."""
-    keys = _keys(4)
-    quiet = _offloader(_tiers(tmp_path / "a", cpu_blocks=16), pool)
+    keys = make_keys(4)
+    quiet = make_offloader(three_tiers(tmp_path / "a", cpu_blocks=16), pool)
     try:
-        _store(quiet, keys, list(range(4)))
+        store_and_settle(quiet, keys, list(range(4)))
         assert quiet.take_events() == []
     finally:
         quiet.close()
-    cfg = load_config({"tiers": _tiers(tmp_path / "b", cpu_blocks=16)}, env={})
+    cfg = load_config({"tiers": three_tiers(tmp_path / "b", cpu_blocks=16)}, env={})
     loud = Offloader(cfg, LAYOUT, pool, events=True)
     try:
-        _store(loud, keys, list(range(4)))
+        store_and_settle(loud, keys, list(range(4)))
         stored: dict[str, list[BlockKey]] = {}
         for tier, ev in loud.take_events():
             assert not ev.removed

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 import torch
-from redisserver import RedisServer, require_redis
-from test_offloader import BPB, LAYOUT, POOL, _content, _fill, _keys
+from support.blocks import BPB, LAYOUT, POOL, block_content, fill_pool, make_keys
+from support.redisserver import RedisServer, require_redis
 
 from kvoffload.blockpool import BlockPool
 from kvoffload.config import load_config
@@ -47,7 +47,7 @@ def _cpu(blocks: int = 8) -> dict[str, Any]:
 def _store(off: Offloader, keys: list[BlockKey]) -> None:
     assert off.pool is not None
     ids = list(range(len(keys)))
-    _fill(off.pool, keys, ids)
+    fill_pool(off.pool, keys, ids)
     job = off.submit_store(keys, ids)
     assert job is not None
     off.wait([job], timeout=30)
@@ -73,7 +73,7 @@ def _claim_and_load(off: Offloader, keys: list[BlockKey], owner: str = "r") -> i
         n = res.nbytes // BPB
         got = off.pool.gather(ids[:n])
         for i in range(n):
-            assert torch.equal(got[i], _content(keys[i])), f"block {i} differs"
+            assert torch.equal(got[i], block_content(keys[i])), f"block {i} differs"
     else:
         off.unclaim(plan)
     off.release(owner)
@@ -84,7 +84,7 @@ def _claim_and_load(off: Offloader, keys: list[BlockKey], owner: str = "r") -> i
 def test_cpu_then_redis_cascade_and_promotion(server: RedisServer) -> None:
     with _offloader([_cpu(8), _redis(server)]) as off:
         assert isinstance(off.tiers[1].manager, ServerBookedManager)
-        wanted, other = _keys(8, 1), _keys(8, 2)
+        wanted, other = make_keys(8, 1), make_keys(8, 2)
         _store(off, wanted)
         _store(off, other)  # pushes `wanted` out of the 8-block cpu tier
         assert off.stats[1].blocks_stored == 16
@@ -100,7 +100,7 @@ def test_cpu_mmap_redis_chain(server: RedisServer, tmp_path: Path) -> None:
     mmap = {"name": "ssd", "backend": "mmap", "capacity": 16 * (BPB + 4096)}
     tiers = [_cpu(8), {**mmap, "path": str(tmp_path / "m")}, _redis(server)]
     with _offloader(tiers) as off:
-        batches = [_keys(8, 10 + b) for b in range(4)]  # 32 blocks: past cpu and mmap
+        batches = [make_keys(8, 10 + b) for b in range(4)]  # 32 blocks: past cpu and mmap
         for batch in batches:
             _store(off, batch)
         assert off.stats[2].blocks_stored == 32
@@ -111,7 +111,7 @@ def test_cpu_mmap_redis_chain(server: RedisServer, tmp_path: Path) -> None:
 
 
 def test_what_one_replica_stored_is_a_hit_in_another(server: RedisServer) -> None:
-    keys = _keys(8, 3)
+    keys = make_keys(8, 3)
     with _offloader([_cpu(8), _redis(server)]) as a:
         _store(a, keys)
     with _offloader([_cpu(8), _redis(server)]) as b:
@@ -120,7 +120,7 @@ def test_what_one_replica_stored_is_a_hit_in_another(server: RedisServer) -> Non
 
 
 def test_a_lookup_is_one_round_trip(server: RedisServer) -> None:
-    keys = _keys(256, 4)
+    keys = make_keys(256, 4)
     with _offloader([_cpu(8), _redis(server)]) as off:
         backend: Any = off.tiers[1].backend
         off.lookup(keys[:1])  # connect (the handshake is a few round trips of its own)
@@ -146,19 +146,19 @@ def test_server_down_killed_and_restarted(tmp_path: Path) -> None:
     counted, and hits from the server resume within 5 s of its return."""
     require_redis()
     srv = RedisServer(tmp_path / "redis")
-    from redisserver import free_port
+    from support.redisserver import free_port
 
     srv.port = free_port()
     tiers = [_cpu(8), _redis(srv, breaker_errors=3, breaker_backoff_ms=1000)]
     with _offloader(tiers) as off:
-        early = _keys(8, 5)
+        early = make_keys(8, 5)
         _store(off, early)  # the server is down: the copy down fails, counted
         assert off.stats[1].store_errors > 0
         assert _claim_and_load(off, early) == 8  # the cpu tier still has them
         srv.start()
         try:
             t0 = time.monotonic()
-            first = _keys(8, 6)
+            first = make_keys(8, 6)
             while True:  # stores reach the server once the breaker probes it
                 _store(off, first)
                 if off.lookup(first) == 8 and off.tiers[0].manager.lookup(first) == 8:
@@ -167,7 +167,7 @@ def test_server_down_killed_and_restarted(tmp_path: Path) -> None:
                 time.sleep(0.05)
             server_errors = off.stats[1].server_errors
             srv.kill()  # mid-run
-            gone = _keys(8, 7)
+            gone = make_keys(8, 7)
             _store(off, gone)  # nothing raises; the failures are counted
             errors = off.stats[1].store_errors
             assert errors > 0
@@ -176,10 +176,10 @@ def test_server_down_killed_and_restarted(tmp_path: Path) -> None:
             srv.start()  # same port
             back = time.monotonic()
             hits = off.stats[1].hits
-            later = _keys(8, 8)
+            later = make_keys(8, 8)
             while True:
                 _store(off, later)
-                _store(off, _keys(8, 9))  # pushes `later` out of cpu
+                _store(off, make_keys(8, 9))  # pushes `later` out of cpu
                 if _claim_and_load(off, later, owner="again") == 8:
                     break
                 assert time.monotonic() - back < 5, "hits did not resume within 5 s"
@@ -195,18 +195,18 @@ def test_on_evict_and_admission_into_the_server(server: RedisServer) -> None:
     """``on_evict``: blocks reach the server only when the cpu tier evicts them; with
     ``admit_after_hits: 1`` only blocks loaded once before are let in."""
     with _offloader([_cpu(8), _redis(server, write_policy="on_evict")]) as off:
-        first = _keys(8, 20)
+        first = make_keys(8, 20)
         _store(off, first)
         assert off.stats[1].blocks_stored == 0  # nothing evicted yet
-        _store(off, _keys(8, 21))  # evicts `first` down to the server
+        _store(off, make_keys(8, 21))  # evicts `first` down to the server
         assert off.stats[1].blocks_stored == 8
         assert _claim_and_load(off, first) == 8
     with _offloader([_cpu(8), _redis(server, key_prefix="adm", admit_after_hits=1)]) as off:
-        keys = _keys(8, 22)
+        keys = make_keys(8, 22)
         _store(off, keys)
         assert off.stats[1].blocks_stored == 0
         assert off.stats[1].not_admitted == 8
         assert _claim_and_load(off, keys) == 8  # a hit from the cpu tier: counted
-        _store(off, _keys(8, 23))
+        _store(off, make_keys(8, 23))
         _store(off, keys)  # stored again after one load: admitted this time
         assert off.stats[1].blocks_stored > 0

@@ -14,11 +14,11 @@ from typing import Any, Final
 import pytest
 import torch
 import yaml
-from checkout import KVOFFLOAD
 from kvoffload.backends.cpu import CPUBackend
 from pydantic import SecretStr, ValidationError
-from redisserver import RedisServer, require_redis
-from test_offloader import _keys
+from support.blocks import make_keys
+from support.checkout import KVOFFLOAD
+from support.redisserver import RedisServer, require_redis
 
 from kvoffload.backend import Backend
 from kvoffload.blockpool import BlockPool
@@ -78,9 +78,9 @@ def test_inspect_counts_this_layouts_blocks_and_reports_the_server(
     server: RedisServer, tmp_path: Path
 ) -> None:
     config = load_config(_raw(server.url()), env={})
-    assert _store(config, _keys(12, 1)).stats[1].blocks_stored == 12
+    assert _store(config, make_keys(12, 1)).stats[1].blocks_stored == 12
     other = load_config({**_raw(server.url()), "stress": {"preset": "small"}}, env={})
-    assert _store(other, _keys(3, 2)).stats[1].blocks_stored == 3  # another layout
+    assert _store(other, make_keys(3, 2)).stats[1].blocks_stored == 3  # another layout
     with server.client() as c:
         c.set(b"kvo:not-ours", b"x")
 
@@ -114,13 +114,14 @@ def test_inspect_counts_this_layouts_blocks_and_reports_the_server(
         export_snapshot(config, tmp_path / "snap.safetensors")
 
 
+@pytest.mark.slow
 def test_verify_finds_corrupt_values_and_repair_deletes_them(
     server: RedisServer, tmp_path: Path
 ) -> None:
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(_raw(server.url())))
     config = load_config(path)
-    keys = _keys(10, 3)
+    keys = make_keys(10, 3)
     _store(config, keys)
     assert verify_tiers(config)["shared"] == {
         "blocks": 10,
@@ -162,7 +163,7 @@ def test_verify_finds_corrupt_values_and_repair_deletes_them(
 
 def test_verify_of_an_unreachable_server_is_one_line_exit_2(tmp_path: Path) -> None:
     require_redis()
-    from redisserver import free_port
+    from support.redisserver import free_port
 
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(_raw(f"redis://127.0.0.1:{free_port()}/0", password=SECRET)))
@@ -296,11 +297,11 @@ def test_the_backend_authenticates_with_the_secret(
     srv = RedisServer(tmp_path / "redis", password=SECRET).start()
     try:
         config = load_config(_raw(srv.url(), password=SECRET), env={})
-        stats = _store(config, _keys(8, 4)).stats[1]
+        stats = _store(config, make_keys(8, 4)).stats[1]
         assert (stats.blocks_stored, stats.server_errors) == (8, 0)
         assert inspect_tiers(config)["shared"]["blocks"] == 8  # the tools log in too
         wrong = load_config(_raw(srv.url(), password="not-" + SECRET[::-1]), env={})
-        stats = _store(wrong, _keys(8, 5)).stats[1]
+        stats = _store(wrong, make_keys(8, 5)).stats[1]
         assert stats.server_errors > 0
         assert stats.blocks_stored == 0
         logged = "\n".join(r.getMessage() for r in caplog.records)

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 import yaml
-from checkout import KVOFFLOAD
-from redisserver import RedisServer
-from test_stress import BLOCK, SMALL_STRESS
+from support.checkout import KVOFFLOAD, TRACE
+from support.redisserver import RedisServer
+from support.stress import BLOCK, SMALL_STRESS
 
 from kvoffload.config import load_config
 from kvoffload.exceptions import KVOffloadError
@@ -65,7 +65,7 @@ def test_replica_shares_split_one_stream(name: str) -> None:
 
 
 def test_replica_share_of_a_finite_stream_ends() -> None:
-    trace = Path(__file__).parent / "data" / "mooncake_conversation_head2000.jsonl"
+    trace = TRACE
     sizes = []
     for r in range(2):
         share = ReplicaShare(

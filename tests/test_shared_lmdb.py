@@ -32,14 +32,15 @@ from pathlib import Path
 from typing import IO, Any
 
 import lmdb
+import pytest
 import torch
 from kvoffload.backends.lmdb import BLOCKS_DB
+from support.checkout import SUPPORT
 
 from kvoffload.config import layout_from_config, load_config
 from kvoffload.tier import build_tiers
 from kvoffload.tools.stress import BlockDataGenerator
 
-HERE = Path(__file__).parent
 RUNS = 10
 RUN_S = 0.6
 """Seconds each run's reader reads while the writer stores, after its first open."""
@@ -78,7 +79,7 @@ class _Child:
         self._err = stderr.open("wb")
         self.stderr = stderr
         self.proc = subprocess.Popen(
-            [sys.executable, str(HERE / "tierproc.py"), *args],
+            [sys.executable, str(SUPPORT / "tierproc.py"), *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._err,
@@ -191,6 +192,7 @@ def _check_at_rest(raw: dict[str, Any], path: Path, expected: set[str]) -> int:
     return len(held)
 
 
+@pytest.mark.slow
 def test_a_writer_and_a_reader_process_share_a_tier_ten_runs(tmp_path: Path) -> None:
     path = tmp_path / "tier"
     raw, raw_ro = _config(path), _config(path, readonly=True)
@@ -274,7 +276,7 @@ def _opener(raw: dict[str, Any]) -> subprocess.Popen[str]:
     """A process that opens the tier of ``raw`` once told to (a line on its stdin)
     and reads every block it holds (see ``tierproc.open_as``)."""
     return subprocess.Popen(
-        [sys.executable, str(HERE / "tierproc.py"), "open_as", json.dumps(raw)],
+        [sys.executable, str(SUPPORT / "tierproc.py"), "open_as", json.dumps(raw)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

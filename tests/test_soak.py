@@ -11,8 +11,9 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
-from checkout import KVOFFLOAD
+from support.checkout import KVOFFLOAD
 
 SOAK_S = float(os.environ.get("SOAK_SECONDS", "180"))  # shorter for a quick look
 WARM_S = SOAK_S / 3
@@ -47,6 +48,7 @@ def soak_config(tmp: Path) -> dict[str, object]:
     }
 
 
+@pytest.mark.slow
 def test_three_minutes_of_stress_hold_memory_fds_and_threads_flat(tmp_path: Path) -> None:
     cfg = tmp_path / "soak.yaml"
     cfg.write_text(yaml.safe_dump(soak_config(tmp_path)))

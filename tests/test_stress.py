@@ -9,23 +9,15 @@ from typing import Any
 
 import pytest
 import yaml
-from checkout import KVOFFLOAD
 from kvoffload.backends.cpu import CPUBackend
+from support.checkout import KVOFFLOAD, TRACE
+from support.stress import BLOCK, SMALL_STRESS
 
 from kvoffload.config import load_config
 from kvoffload.exceptions import ConfigError
 from kvoffload.tools.stress import StressRunner
 
 REPO = Path(__file__).resolve().parents[1]
-
-SMALL_STRESS: dict[str, Any] = {
-    "layout": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 32, "block_size": 16},
-    "pool_blocks": 16,
-    "prefixes": 12,
-    "prefix_blocks": 8,
-    "suffix_blocks": 2,
-}
-BLOCK = 2 * 2 * 16 * 2 * 32 * 2  # 8 KiB
 
 
 def _stress_cli(out: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], Any]:
@@ -205,9 +197,6 @@ def test_disk_tier_is_warm_for_the_next_run_whatever_its_seed(tmp_path: Path) ->
     assert held_at_start == first.blocks_stored
     assert second.integrity_errors == 0
     assert second.blocks_loaded > 0
-
-
-TRACE = Path(__file__).parent / "data" / "mooncake_conversation_head2000.jsonl"
 
 
 @pytest.mark.parametrize(

@@ -163,7 +163,9 @@ def test_full_lane_rejects_without_blocking_and_counts_it() -> None:
         accepted += [w.submit_store(_blocked(release)) for _ in range(3)]
         t0 = time.monotonic()
         refused = [w.submit_store(_blocked(release)) for _ in range(6)]
-        assert time.monotonic() - t0 < 0.1  # "can't" is answered at once
+        # "Can't" is answered at once; a refusal that waited would wait for `release`,
+        # which comes only after this test.
+        assert time.monotonic() - t0 < 5
         assert None not in accepted
         assert refused == [None] * 6
         assert w.pending("store") == 4
@@ -242,7 +244,7 @@ def test_wait_with_timeout_returns_only_finished_jobs(
 
     t0 = time.monotonic()
     results = worker.wait([fast, slow], timeout=0.2)
-    assert 0.2 <= time.monotonic() - t0 < 1.0
+    assert 0.2 <= time.monotonic() - t0 < 5  # not waiting for `slow`, which never ends
     assert [r.job_id for r in results] == [fast]
 
     assert worker.get_finished() == []  # fast was taken by wait
@@ -251,7 +253,7 @@ def test_wait_with_timeout_returns_only_finished_jobs(
     # Both already delivered: nothing left to wait for, and wait does not block.
     t0 = time.monotonic()
     assert worker.wait([fast, slow]) == []
-    assert time.monotonic() - t0 < 0.1
+    assert time.monotonic() - t0 < 5  # no timeout: a wait that blocked would never end
 
 
 def test_each_result_is_delivered_once_through_wait_or_get_finished() -> None:
@@ -330,7 +332,7 @@ def test_nbytes_and_seconds_are_reported(worker: TransferWorker) -> None:
         3 * BLOCK,
         None,
     )
-    assert 0.05 <= r.seconds < 1.0
+    assert 0.05 <= r.seconds < 5
     assert worker.stats().load.nbytes == 3 * BLOCK
 
 
@@ -491,7 +493,7 @@ async def test_event_loop_keeps_running_while_a_job_runs(worker: TransferWorker)
     assert result.success
     assert result.seconds >= 0.5
     # ~50 ticks fit in 0.5 s; a blocked loop would manage at most one.
-    assert ticks >= 20
+    assert ticks >= 5
 
 
 @pytest.mark.asyncio

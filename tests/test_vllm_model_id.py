@@ -6,7 +6,6 @@ two paths never mix. Real ``VllmConfig`` objects of the tiny Llama (config only)
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +18,10 @@ from kvoffload.connectors.vllm.config import (
     layout_from_vllm,
     model_id_from_vllm,
 )
+from support.engine_run import write_tiny_llama
 from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
 
 from kvoffload.exceptions import ConfigError
-
-sys.path.insert(0, str(Path(__file__).parent / "e2e"))
-from engine_run import write_tiny_llama
 
 
 def _vllm(model: Path, **extra: Any) -> VllmConfig:

@@ -7,10 +7,8 @@ are driven with vLLM's own ``Request`` / ``SchedulerOutput`` / ``KVConnectorOutp
 from __future__ import annotations
 
 import pickle
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,6 +24,7 @@ from kvoffload.connectors.vllm import (
     TieredOffloadStats,
 )
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from support.engine_run import write_tiny_llama
 from vllm.config import CacheConfig, KVEventsConfig, KVTransferConfig, ModelConfig, VllmConfig
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -41,9 +40,6 @@ from vllm.v1.core.kv_cache_utils import (
 from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
-
-sys.path.insert(0, str(Path(__file__).parent / "e2e"))
-from engine_run import write_tiny_llama
 
 BLOCK = 32  # tokens per block
 BYTES_PER_BLOCK = 2 * 2 * BLOCK * 2 * 32 * 2  # layers x (K, V) x tokens x heads x dim x bf16

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.checkout import TRACE as HEAD
 
 from kvoffload.exceptions import ConfigError
 from kvoffload.keys import ROOT_KEY, BlockKey, chain_key
@@ -22,7 +23,6 @@ from kvoffload.tools.workloads import (
     prefix_hit_ratio,
 )
 
-HEAD = Path(__file__).parent / "data" / "mooncake_conversation_head2000.jsonl"
 HEAD_IDEAL_HIT_RATIO = 0.2890632159680346
 """Measured once with prefix_hit_ratio(TraceWorkload(HEAD)); the full conversation
 trace gives 0.3664, matching the 0.366 published with the traces."""

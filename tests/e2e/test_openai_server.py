@@ -47,10 +47,9 @@ openai = pytest.importorskip("openai")
 
 import httpx  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from support.engine_run import write_tiny_llama  # noqa: E402
 
-HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))
-from engine_run import write_tiny_llama  # noqa: E402
+pytestmark = pytest.mark.slow  # real vLLM engines
 
 BLOCK = 32
 MAX_TOKENS = 16
@@ -298,7 +297,6 @@ def _loaded_all(text: str) -> bool:
 
 
 # --------------------------------------------------------------------------- the test
-@pytest.mark.slow
 def test_restarted_openai_server_serves_the_prefix_from_the_disk_tier(
     tmp_path: Path, start_server: Callable[[Path], Server]
 ) -> None:

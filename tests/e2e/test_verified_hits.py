@@ -3,7 +3,8 @@
 Disk blocks are prefetched into the cpu tier and verified before the scheduler claims
 a hit, so corruption only ever shortens a hit, under either ``kv_load_failure_policy``
 (vLLM's default ``"fail"`` included). What these tests do on a real engine (CPU build,
-dummy-weight tiny Llama, each engine run in a subprocess via ``engine_run.py``):
+dummy-weight tiny Llama; the session's engine server, ``support/e2e.py``, unless a
+test kills its engines):
 
 - damage a filled ``mmap`` / ``lmdb`` tier at random (5 seeds, bytes flipped across
   the files: payloads, headers, LMDB pages) and run the same batch under both
@@ -12,13 +13,12 @@ dummy-weight tiny Llama, each engine run in a subprocess via ``engine_run.py``):
   plugin's ``flakycpu`` backend): recomputed under ``"recompute"``, a failed request
   under ``"fail"``;
 - ``kill -9`` of a whole engine process group while it stores, five times: every
-  restart serves outputs equal to the reference, and ``kvoffload verify`` finds
-  nothing it cannot repair;
+  restart is served the stored prefix from the disk, with outputs equal to the
+  reference, and ``kvoffload verify`` finds nothing it cannot repair;
 - 1000 requests aborted before their load: no pins, holds or prefetches are left.
 
-Several engines may run one after the other in one ``engine_run.py`` process (its
-``engines`` key): each is a fresh ``LLM`` over its own tier directory, and the
-interpreter's start and vLLM's import (about 12 s per engine here) are paid once.
+Several engines run one after the other in one spec (its ``engines`` key): each is a
+fresh ``LLM`` over its own tier directory.
 """
 
 from __future__ import annotations
@@ -38,118 +38,34 @@ from typing import Any
 
 import numpy as np
 import pytest
+from kvoffload.backends.mmap import ALIGN, MmapBackend
+from support.e2e import (
+    BATCH,
+    BATCH_BLOCKS,
+    BLOCK,
+    ENGINE_RUN,
+    PREFIX,
+    EngineServer,
+    cached,
+    connector_tiers,
+    engine_env,
+    failures,
+    outputs,
+    sabotaged,
+    tokens,
+    write_spec,
+)
 
+from kvoffload.record import HEADER_BYTES, HEADER_DTYPE, MAGIC
+
+pytestmark = pytest.mark.slow  # real vLLM engines
+# Without vLLM these modules skip; under CI=true that fails the run (support/ci_rules.py).
 pytest.importorskip("vllm")
 
-HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))
-from engine_run import write_tiny_llama  # noqa: E402
-from kvoffload.backends.mmap import ALIGN, MmapBackend  # noqa: E402
-
-from kvoffload.record import HEADER_BYTES, HEADER_DTYPE, MAGIC  # noqa: E402
-
-BLOCK = 32
-MAX_TOKENS = 8
-
-
-def _tokens(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 1000) for _ in range(n)]
-
-
-# One batch: four prompts sharing an 11-block prefix (distinct suffixes of 2 blocks and
-# a partial one), and one of its own. Its full blocks, stored: 11 + 4 x 2 + 9 = 28.
-PREFIX = _tokens(100, 11 * BLOCK)
-BATCH = [PREFIX + _tokens(101 + i, 70) for i in range(4)] + [_tokens(200, 300)]
-BATCH_BLOCKS = 28
 # Other prompts stored on the same tier (10 blocks each), so that its files hold more
 # than the batch and random damage leaves some of the batch's blocks intact.
-FILLER = [_tokens(400 + i, 10 * BLOCK) for i in range(10)]
+FILLER = [tokens(400 + i, 10 * BLOCK) for i in range(10)]
 FILLER_BLOCKS = 100
-
-
-# --------------------------------------------------------------------------- running
-def _spec(tmp: Path, **spec: Any) -> Path:
-    model = write_tiny_llama(tmp / "model")
-    path = tmp / f"spec-{len(list(tmp.glob('spec-*')))}.json"
-    full = {"model": str(model), "max_tokens": MAX_TOKENS, "rounds": [], **spec}
-    full["engine"] = {"gpu_memory_utilization": 0.2, **spec.get("engine", {})}
-    path.write_text(json.dumps(full))
-    return path
-
-
-def _env(single_process: bool) -> dict[str, str]:
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    # vLLM's default runs the engine core and its worker in processes of their own;
-    # single-process mode lets engine_run.py read the connector's counters and health.
-    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if single_process else "1"
-    return env
-
-
-def _lines(stdout: str, tag: str) -> list[Any]:
-    return [
-        json.loads(line.split(" ", 1)[1]) for line in stdout.splitlines() if line.startswith(tag)
-    ]
-
-
-def _run(
-    tmp: Path, *, single_process: bool, timeout: float = 1200, **spec: Any
-) -> list[dict[str, Any]]:
-    """Run ``engine_run.py`` over a spec; the result of every engine, all required to
-    have run without an error."""
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "engine_run.py"), str(_spec(tmp, **spec))],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=_env(single_process),
-        cwd=tmp,
-    )
-    results = _lines(proc.stdout, "E2E-RESULT ")
-    failed = _lines(proc.stdout, "E2E-FAILED ")
-    want = len(spec.get("engines") or [{}])
-    detail = "\n".join(f["error"] for f in failed) or proc.stderr[-4000:]
-    assert proc.returncode == 0, f"exit {proc.returncode}:\n{detail}"
-    assert len(results) == want, f"{len(results)} of {want} engines ran:\n{detail}"
-    return results
-
-
-def _tiers(disk: str | None, path: Path | None = None, **disk_settings: Any) -> dict[str, Any]:
-    # Room in each tier's store queue for a whole batch's stores at once: a dropped
-    # store would leave a filled tier short of the blocks a test expects there.
-    queue = {"max_pending_stores": 256}
-    tiers: list[dict[str, Any]] = [{"name": "cpu", "backend": "cpu", "capacity": "64MiB", **queue}]
-    if disk is not None:
-        tiers.append(
-            {
-                "name": "disk",
-                "backend": disk,
-                "capacity": "4MiB",
-                "path": str(path),
-                "write_policy": "write_through",
-                **queue,
-                **disk_settings,
-            }
-        )
-    return {"config": {"tiers": tiers}}
-
-
-def _outputs(result: dict[str, Any], round_: int = 0) -> list[list[int]]:
-    return [r["tokens"] for r in result["rounds"][round_]]
-
-
-def _failures(result: dict[str, Any]) -> list[dict[str, Any]]:
-    return [r for rnd in result["rounds"] for r in rnd if r["failed"]]
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
-    """The batch's outputs from an engine without the connector."""
-    (ref,) = _run(
-        tmp_path_factory.mktemp("ref"), single_process=True, kvoffload=None, rounds=[BATCH]
-    )
-    assert ref["failed"] == 0
-    return _outputs(ref)
 
 
 # --------------------------------------------------------------------------- damage
@@ -240,26 +156,25 @@ def _held_blocks(directory: Path, backend: str) -> int:
 
 
 # ----------------------------------------------------------------- corruption (issue)
-@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["mmap", "lmdb"])
 def test_corrupt_disk_tier_never_fails_a_request(
-    tmp_path: Path, reference: list[list[int]], backend: str
+    engines: EngineServer, tmp_path: Path, reference: list[list[int]], backend: str
 ) -> None:
     """Fill a cpu -> disk (write_through) tier with one batch (and other prompts); then,
     for 5 seeds, damage a fresh copy of it (64 bytes flipped at random per file) and
     run the same batch on a new engine over the copy, under both failure policies:
-    ``"fail"`` (vLLM's default; single-process, so the counters show the damage was
-    met and intact blocks were still served) and ``"recompute"`` (in vLLM's default
-    multi-process mode). Every run: no failed request, outputs equal to the
-    reference."""
+    ``"fail"`` (vLLM's default) and ``"recompute"`` (its first seed in vLLM's default
+    multi-process mode, the others single-process, so that their counters show the
+    damage was met and intact blocks were still served, with no load error: damage is
+    found before a hit is claimed). Every run: no failed request, outputs equal to
+    the reference."""
     pristine = tmp_path / "pristine"
-    (fill,) = _run(
+    (fill,) = engines.results(
         tmp_path,
-        single_process=True,
-        kvoffload=_tiers(backend, pristine),
+        kvoffload=connector_tiers(backend, pristine),
         rounds=[BATCH, FILLER],
     )
-    assert _outputs(fill) == reference
+    assert outputs(fill) == reference
     assert _held_blocks(pristine, backend) == BATCH_BLOCKS + FILLER_BLOCKS
 
     seeds = range(5)
@@ -273,19 +188,21 @@ def test_corrupt_disk_tier_never_fails_a_request(
             dirs.append(copy)
 
     t0 = time.monotonic()
-    failing = _run(
+    failing = engines.results(
         tmp_path,
-        single_process=True,
         rounds=[BATCH],
-        engines=[{"kvoffload": _tiers(backend, d)} for d in runs["fail"]],  # no policy: "fail"
-    )
+        engines=[{"kvoffload": connector_tiers(backend, d)} for d in runs["fail"]],
+    )  # no policy: vLLM's default, "fail"
     t1 = time.monotonic()
-    recomputing = _run(
+    default_mode = {"env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}}
+    recomputing = engines.results(
         tmp_path,
-        single_process=False,
         rounds=[BATCH],
         failure_policy="recompute",
-        engines=[{"kvoffload": _tiers(backend, d)} for d in runs["recompute"]],
+        engines=[
+            {"kvoffload": connector_tiers(backend, d), **(default_mode if i == 0 else {})}
+            for i, d in enumerate(runs["recompute"])
+        ],
     )
     t2 = time.monotonic()
 
@@ -309,41 +226,62 @@ def test_corrupt_disk_tier_never_fails_a_request(
     print(report)
     for policy, results in (("fail", failing), ("recompute", recomputing)):
         for seed, result in zip(seeds, results, strict=True):
-            assert result["failed"] == 0, f"{policy} seed {seed}: {_failures(result)}\n{report}"
-            assert _outputs(result) == reference, f"{policy} seed {seed}\n{report}"
+            assert result["failed"] == 0, f"{policy} seed {seed}: {failures(result)}\n{report}"
+            assert outputs(result) == reference, f"{policy} seed {seed}\n{report}"
     # The damage must have been met, or this test proved nothing; and the damaged
     # tiers still served their intact blocks.
     corrupt = sum(r["kvoffload"]["tier.disk.corrupt_blocks"] for r in failing)
     assert corrupt > 0, report
     assert sum(r["kvoffload"]["prefetched_blocks"] for r in failing) > 0, report
     assert sum(r["kvoffload"]["blocks_loaded"] for r in failing) > 0, report
+    counted = [r["kvoffload"] for r in failing + recomputing if r["kvoffload"]]
+    assert len(counted) == 2 * len(seeds) - 1, report  # all but the multi-process one
+    assert all(c["load_errors"] == 0 for c in counted), report
+    assert sum(c["blocks_loaded"] for c in counted[len(seeds) :]) > 0, report
 
 
 # ----------------------------------------------------------------- the late path
-@pytest.mark.slow
-def test_cpu_tier_read_error_at_load(tmp_path: Path, reference: list[list[int]]) -> None:
+def test_cpu_tier_read_error_at_load(
+    engines: EngineServer, tmp_path: Path, reference: list[list[int]]
+) -> None:
     """The one way a load can still fail: an I/O error reading the cpu tier (the test
     plugin's ``flakycpu`` backend fails its first two non-empty reads). The batch runs
     twice (vLLM's prefix cache reset in between), so the second round loads from the
     tier. Under ``"recompute"`` the failed blocks are recomputed: outputs equal the
     reference, no request fails, load errors are counted. Under ``"fail"`` (vLLM's
-    default) the requests whose load failed fail, and only those."""
+    default) the requests whose load failed fail, and only those.
+
+    A third engine, in vLLM's default multi-process mode under ``"fail"``, has every
+    read fail: every request of the repeat fails. That is what the tests that run in
+    that mode (where the connector's counters cannot be read) rely on to prove their
+    hits: under ``"fail"`` a load that failed cannot pass as a hit."""
     tier = {"name": "cpu", "backend": "flakycpu", "capacity": "64MiB", "fail_reads": 2}
     conn = {"config": {"tiers": [tier]}}
-    recompute, fail = _run(
+    recompute, fail, default_mode = engines.results(
         tmp_path,
-        single_process=True,
         kvoffload=conn,
         rounds=[BATCH, BATCH],
-        engines=[{"failure_policy": "recompute"}, {"failure_policy": "fail"}],
+        engines=[
+            {"failure_policy": "recompute"},
+            {"failure_policy": "fail"},
+            {
+                "failure_policy": "fail",
+                "kvoffload": sabotaged(connector_tiers(None)),
+                "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
+            },
+        ],
     )
+    assert outputs(default_mode, 0) == reference  # nothing to load yet: nothing fails
+    assert not failures({"rounds": default_mode["rounds"][:1]})
+    every = default_mode["rounds"][1]
+    assert all(r["failed"] and r["finish_reason"] == "error" for r in every), json.dumps(every)
     # vLLM's own prefix cache was emptied after round 1: round 2's hits are ours.
     assert recompute["resets"][0], recompute["resets"]
     assert fail["resets"][0], fail["resets"]
     c = recompute["kvoffload"]
-    assert _outputs(recompute, 0) == reference
-    assert _outputs(recompute, 1) == reference, json.dumps(c)
-    assert recompute["failed"] == 0, _failures(recompute)
+    assert outputs(recompute, 0) == reference
+    assert outputs(recompute, 1) == reference, json.dumps(c)
+    assert recompute["failed"] == 0, failures(recompute)
     assert c["load_errors"] > 0, json.dumps(c)
     assert c["blocks_loaded"] > 0, json.dumps(c)  # the later reads served their hits
 
@@ -361,7 +299,7 @@ def test_cpu_tier_read_error_at_load(tmp_path: Path, reference: list[list[int]])
         "finish reasons",
         [r["finish_reason"] for r in fail["rounds"][1]],
     )
-    assert _outputs(fail, 0) == reference  # nothing to load yet: nothing fails
+    assert outputs(fail, 0) == reference  # nothing to load yet: nothing fails
     assert c["load_errors"] > 0, json.dumps(c)
     second = fail["rounds"][1]
     failed = [r for r in second if r["failed"]]
@@ -377,15 +315,14 @@ def _faulty_tiers(path: Path, *, cpu: bool = True, **faults: Any) -> dict[str, A
     """cpu -> ``faultymmap`` (the test plugin's mmap tier with ``faults`` injected), or
     the faulty disk tier alone; the breaker off unless ``faults`` sets it, so that
     every fault reaches the stack."""
-    conf = _tiers("faultymmap", path, **{"breaker_errors": 0, **faults})["config"]
+    conf = connector_tiers("faultymmap", path, **{"breaker_errors": 0, **faults})["config"]
     if not cpu:
         conf["tiers"] = conf["tiers"][1:]
     return {"config": conf}
 
 
-@pytest.mark.slow
 def test_disk_faults_and_hangs_never_fail_a_request(
-    tmp_path: Path, reference: list[list[int]]
+    engines: EngineServer, tmp_path: Path, reference: list[list[int]]
 ) -> None:
     """Real engines over one disk tier with faults injected (``faultymmap``), one after
     the other, each starting with an empty cpu tier so its hits come from the disk:
@@ -403,22 +340,16 @@ def test_disk_faults_and_hangs_never_fail_a_request(
     disk = tmp_path / "disk"
     write_faults = {"write_error": 0.2, "enospc": 0.1, "short_write": 0.2, "slow": 0.2}
     hang = {"read_hang": 1.0, "hang_s": 3.0}
-    engines = [
+    runs = [
         {"kvoffload": _faulty_tiers(disk, **write_faults, seed=1)},
         {"kvoffload": _faulty_tiers(disk, read_error=0.3, slow=0.3, seed=2)},
         {"kvoffload": _faulty_tiers(disk, **hang)},
         {"kvoffload": _faulty_tiers(disk, cpu=False, **hang)},
     ]
-    for e in engines[2:]:
+    for e in runs[2:]:
         e["kvoffload"]["config"]["load_timeout_ms"] = 300
     t0 = time.monotonic()
-    results = _run(
-        tmp_path,
-        single_process=True,
-        rounds=[BATCH],
-        failure_policy="recompute",
-        engines=engines,
-    )
+    results = engines.results(tmp_path, rounds=[BATCH], failure_policy="recompute", engines=runs)
     seconds = time.monotonic() - t0
     counts = [
         {
@@ -440,8 +371,8 @@ def test_disk_faults_and_hangs_never_fail_a_request(
     report += f"\n4 engines in {seconds:.0f} s"
     print(report)
     for i, result in enumerate(results):
-        assert result["failed"] == 0, f"engine {i + 1}: {_failures(result)}\n{report}"
-        assert _outputs(result) == reference, f"engine {i + 1}\n{report}"
+        assert result["failed"] == 0, f"engine {i + 1}: {failures(result)}\n{report}"
+        assert outputs(result) == reference, f"engine {i + 1}\n{report}"
     stored, read, hung, first = counts
     assert stored["tier.disk.store_errors"] > 0, report  # the write faults hit
     assert stored["tier.disk.blocks_stored"] > 0, report  # and some stores got through
@@ -452,8 +383,9 @@ def test_disk_faults_and_hangs_never_fail_a_request(
     assert first["load_errors"] >= first["load_timeouts"], report
 
 
-@pytest.mark.slow
-def test_a_hanging_store_never_holds_the_engine(tmp_path: Path, reference: list[list[int]]) -> None:
+def test_a_hanging_store_never_holds_the_engine(
+    engines: EngineServer, tmp_path: Path, reference: list[list[int]]
+) -> None:
     """An empty disk as the only tier, every call into it hanging 3 s, and
     ``store_timeout_ms`` 300: each store hands the engine its blocks back once it has
     read them (the write then hangs on its lane), and the stores queued behind a hung
@@ -462,7 +394,7 @@ def test_a_hanging_store_never_holds_the_engine(tmp_path: Path, reference: list[
     engine = {"kvoffload": _faulty_tiers(tmp_path / "disk", cpu=False, hang=1.0, hang_s=3.0)}
     engine["kvoffload"]["config"].update(load_timeout_ms=300, store_timeout_ms=300)
     t0 = time.monotonic()
-    (result,) = _run(
+    (result,) = engines.results(
         tmp_path, single_process=True, rounds=[BATCH], failure_policy="recompute", **engine
     )
     seconds = time.monotonic() - t0
@@ -473,8 +405,8 @@ def test_a_hanging_store_never_holds_the_engine(tmp_path: Path, reference: list[
         f"store_errors={c.get('tier.disk.store_errors')} in {seconds:.0f} s"
     )
     print(report)
-    assert result["failed"] == 0, f"{_failures(result)}\n{report}"
-    assert _outputs(result) == reference, report
+    assert result["failed"] == 0, f"{failures(result)}\n{report}"
+    assert outputs(result) == reference, report
     assert c["blocks_submitted_for_store"] >= BATCH_BLOCKS, report
     assert c["store_timeouts"] > 0, report  # queued behind a hung write: abandoned
     assert c["store_timeouts"] < c["blocks_submitted_for_store"], report  # some were read
@@ -522,15 +454,24 @@ def _tier_yaml(path: Path, tiers: dict[str, Any]) -> Path:
     return path
 
 
+KILL_ROUNDS = 12
+"""Rounds of new prompts a killed engine runs (about 900 blocks): bounded, so that the
+disk tier has room for all that five engines can store."""
+KILL_DISK = "128MiB"
+"""Room for the check round and five workloads (about 4,500 blocks of 16 KiB, plus each
+slot's header), so that nothing is ever evicted."""
+
+
 def _start_engine(
-    tmp: Path, spec: Path, env: dict[str, str]
+    tmp: Path, spec: Path, env: dict[str, str], kill_at_round: int | None
 ) -> tuple[list[str], subprocess.Popen[str], list[dict[str, Any]] | None, threading.Thread]:
     """Start ``engine_run.py`` in a process group of its own and wait for its first
-    round: the output lines so far (a thread keeps collecting them, so the engine
-    never blocks on a full pipe), the process, that round's results (``None`` if the
-    engine ended first), and the collecting thread (done once the pipe closes)."""
+    round, or, with ``kill_at_round``, for that round to end; then the output lines so
+    far (a thread keeps collecting them, so the engine never blocks on a full pipe),
+    the process, its first round's results (``None`` if the engine ended first), and
+    the collecting thread (done once the pipe closes)."""
     proc = subprocess.Popen(
-        [sys.executable, str(HERE / "engine_run.py"), str(spec)],
+        [sys.executable, str(ENGINE_RUN), str(spec)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -540,6 +481,7 @@ def _start_engine(
     )
     lines: list[str] = []
     first: list[Any] = []
+    wanted = f"E2E-ROUND 0 {kill_at_round or 0} "
     seen = threading.Event()
 
     def pump() -> None:
@@ -548,6 +490,7 @@ def _start_engine(
             lines.append(line)
             if line.startswith("E2E-ROUND 0 0 "):
                 first.append(json.loads(line.split(" ", 3)[3]))
+            if line.startswith(wanted):
                 seen.set()
 
     reader = threading.Thread(target=pump, daemon=True)
@@ -558,57 +501,83 @@ def _start_engine(
     return lines, proc, first[0] if first else None, reader
 
 
-@pytest.mark.slow
 def test_kill_9_while_storing_then_restart_and_verify(
-    tmp_path: Path, request: pytest.FixtureRequest
+    engines: EngineServer, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    """An engine over cpu -> mmap (write_through, fsync) runs a check round, then round
-    after round of new prompts (every step stores blocks); its whole process group is
-    killed with SIGKILL at a random moment of that workload, five times (seeded). Each
-    next engine starts over the same tiers and its check round equals the reference
-    (the first of the restarts serves it from the disk tier). After each kill,
-    ``kvoffload verify`` reads every block: exit 0, or 1 with corrupt blocks that
-    ``--repair`` (on a copy, so the next engine meets the crash's state) discards,
-    after which a second ``verify`` finds none. A last engine exits cleanly, and the
-    same checks follow."""
+    """A check round is stored on cpu -> mmap (write_through, fsync) by an engine that
+    exits cleanly. Then, five times, an engine over the same tiers runs the check round
+    and round after round of new prompts (every step stores blocks), and its whole
+    process group is killed with SIGKILL at a random moment of that workload: just
+    after one of its rounds (drawn at random, seeded), while that round's stores are
+    in flight and the next round runs. A last engine exits cleanly.
+
+    The guarantee, whatever the machine's speed: the disk tier has room for every
+    block the engines can store (their workloads are bounded, and an engine that ends
+    its workload before the kill holds until it comes), so nothing is evicted, and
+    each restarted engine is served the check round's every full block from the disk,
+    through the crashes before it, with outputs equal to the reference. Loads run
+    under vLLM's default ``kv_load_failure_policy`` (``"fail"``), where a failed load
+    fails its request. After each kill ``kvoffload verify`` reads every block: exit 0,
+    or 1 with corrupt blocks that ``--repair`` (on a copy, so the next engine meets the
+    crash's state) discards, after which a second ``verify`` finds none. The first
+    killed engine runs in vLLM's default multi-process mode, the others in one
+    process."""
     rng = random.Random(10)
     tier_dir = tmp_path / "ssd"
-    tiers = _tiers("mmap", tier_dir, capacity="16MiB")
+    tiers = connector_tiers("mmap", tier_dir, capacity=KILL_DISK)
     tiers["config"]["tiers"][0]["capacity"] = "16MiB"
     config = _tier_yaml(tmp_path / "tiers.yaml", tiers)
-    check = [PREFIX + _tokens(300 + i, 50) for i in range(3)]
-    (ref,) = _run(tmp_path, single_process=True, kvoffload=None, rounds=[check])
-    want = _outputs(ref)
+    check = [PREFIX + tokens(300 + i, 50) for i in range(3)]
+    full = (len(check[0]) - 1) // BLOCK * BLOCK  # vLLM never counts a prompt's last token
+    ref, stored = engines.results(
+        tmp_path, rounds=[check], engines=[{"kvoffload": None}, {"kvoffload": tiers}]
+    )
+    want = outputs(ref)
+    assert outputs(stored) == want
+    assert cached(stored)[0] == 0  # a fresh tier (the others share vLLM's own cache)
+    rc, report, out = _verify(tmp_path, config)
+    assert rc == 0, out
+    assert report["disk"]["ok"] == report["disk"]["blocks"] == full // BLOCK + 2, out
 
     def workload(engine: int) -> list[list[list[int]]]:
         return [
-            [_tokens(1000 * engine + 10 * r + i, 320 + 32 * i) for i in range(6)] for r in range(60)
+            [tokens(1000 * engine + 10 * r + i, 320 + 32 * i) for i in range(6)]
+            for r in range(KILL_ROUNDS)
         ]
 
     # The connector's Unix sockets go to $TMPDIR; a killed engine leaves its socket
     # file behind, so give the engines a short-lived one of their own (short: a
     # socket path has at most 107 bytes).
     sockets = Path(tempfile.mkdtemp(prefix="kvo-"))
-    env = {**_env(single_process=False), "TMPDIR": str(sockets)}
     request.addfinalizer(lambda: shutil.rmtree(sockets, ignore_errors=True))
     kills = 5
-    cached = []
+    served = []
     timeline = []
     t0 = time.monotonic()
-    for engine in range(kills + 1):
-        last = engine == kills
+    for engine in range(1, kills + 2):
+        last = engine == kills + 1
+        env = {**os.environ, **engine_env(single_process=engine != 1), "TMPDIR": str(sockets)}
         timeline.append(f"{time.monotonic() - t0:6.1f} s: engine {engine} starts")
-        spec = _spec(tmp_path, kvoffload=tiers, rounds=[check] + ([] if last else workload(engine)))
-        lines, proc, checked, reader = _start_engine(tmp_path, spec, env)
+        spec = write_spec(
+            tmp_path,
+            kvoffload=tiers,
+            rounds=[check] + ([] if last else workload(engine)),
+            hold=not last,
+        )
+        # A random moment of the workload: just after the end of one of its rounds but
+        # the last, when that round's stores are in flight and the next round runs.
+        at = None if last else rng.randrange(1, KILL_ROUNDS)
+        lines, proc, checked, reader = _start_engine(tmp_path, spec, env, at)
         try:
             if not last and checked is not None:
-                # The workload starts now: kill the group at a random moment of it.
-                delay = rng.uniform(0.2, 2.5)
+                delay = rng.uniform(0.0, 0.05)
                 time.sleep(delay)
-                assert proc.poll() is None, "the engine finished before it was killed"
+                assert proc.poll() is None, "the engine ended before it was killed"
                 os.killpg(proc.pid, signal.SIGKILL)
+                done = sum(line.startswith("E2E-ROUND") for line in lines) - 1
                 timeline.append(
-                    f"{time.monotonic() - t0:6.1f} s: killed {delay:.2f} s into its workload"
+                    f"{time.monotonic() - t0:6.1f} s: killed {delay * 1000:.0f} ms after round "
+                    f"{at} of {KILL_ROUNDS} of its workload ({done} seen done)"
                 )
             proc.wait(timeout=600)
         finally:
@@ -627,7 +596,7 @@ def test_kill_9_while_storing_then_restart_and_verify(
         assert proc.returncode == (0 if last else -signal.SIGKILL), log
         assert [r["tokens"] for r in checked] == want, f"engine {engine}"
         assert not any(r["failed"] for r in checked), checked
-        cached.append([r["cached"] for r in checked])
+        served.append([r["cached"] for r in checked])
 
         # Whatever the crash (or the clean exit) left, verify classifies every block;
         # what it finds corrupt, --repair discards.
@@ -642,7 +611,9 @@ def test_kill_9_while_storing_then_restart_and_verify(
         copy = tmp_path / "repaired"
         shutil.rmtree(copy, ignore_errors=True)
         shutil.copytree(tier_dir, copy)
-        copy_config = _tier_yaml(tmp_path / "repaired.yaml", _tiers("mmap", copy, capacity="16MiB"))
+        copy_config = _tier_yaml(
+            tmp_path / "repaired.yaml", connector_tiers("mmap", copy, capacity=KILL_DISK)
+        )
         rc, fixed, out = _verify(tmp_path, copy_config, "--repair")
         assert rc == 0, out
         assert fixed["disk"]["repaired"] == fixed["disk"]["corrupt"], out
@@ -650,14 +621,15 @@ def test_kill_9_while_storing_then_restart_and_verify(
         assert rc == 0, out
         assert again["disk"]["corrupt"] == 0, out
         assert again["disk"]["ok"] == again["disk"]["blocks"] == fixed["disk"]["ok"], out
-    print("\n".join(timeline), "\ncached per engine:", cached)
-    assert cached[0][0] == 0, cached  # a fresh tier
-    assert cached[1][0] > 0, cached  # the first restart loaded the prefix from disk
+    print("\n".join(timeline), "\nserved per engine:", served)
+    # Every restart: the check round's every full block, from the disk.
+    assert served == [[full] * len(check)] * (kills + 1), served
 
 
 # ----------------------------------------------------------------- aborts
-@pytest.mark.slow
-def test_aborted_requests_leave_no_pins_holds_or_prefetches(tmp_path: Path) -> None:
+def test_aborted_requests_leave_no_pins_holds_or_prefetches(
+    engines: EngineServer, tmp_path: Path
+) -> None:
     """One engine stores 20 distinct 11-block prefixes on the disk tier; a new engine
     over the same tiers (its cpu tier empty) gets 1000 requests over those prefixes,
     takes one step (which starts the prefetches: the lookups answer "not yet"), and
@@ -666,13 +638,12 @@ def test_aborted_requests_leave_no_pins_holds_or_prefetches(tmp_path: Path) -> N
     the Offloader's consistency check is clean. The same again with four steps half a
     second apart before the aborts, so that claims were decided, and requests loaded
     and running, when they were aborted."""
-    prefixes = [_tokens(500 + p, 11 * BLOCK) for p in range(20)]
-    fill = [p + _tokens(600 + i, 20) for i, p in enumerate(prefixes)]
-    requests = [prefixes[i % 20] + _tokens(10_000 + i, 10 + i % 30) for i in range(1000)]
-    tiers = _tiers("mmap", tmp_path / "ssd", capacity="32MiB")
-    results = _run(
+    prefixes = [tokens(500 + p, 11 * BLOCK) for p in range(20)]
+    fill = [p + tokens(600 + i, 20) for i, p in enumerate(prefixes)]
+    requests = [prefixes[i % 20] + tokens(10_000 + i, 10 + i % 30) for i in range(1000)]
+    tiers = connector_tiers("mmap", tmp_path / "ssd", capacity="32MiB")
+    results = engines.results(
         tmp_path,
-        single_process=True,
         kvoffload=tiers,
         engines=[
             {"rounds": [fill]},

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 import torch
-from test_cuda_datapath import BPB, LAYOUT, _busy, _content, _keys, _offloader, _pool, _wait
+from support.blocks import make_keys
+from support.cuda import BPB, LAYOUT, busy, cuda_content, cuda_offloader, cuda_pool, wait_blocks
 
 from kvoffload.datapath import DataPath, LayerProgress, _memcpy2d
 
@@ -24,10 +25,10 @@ def test_the_2d_copy_is_found() -> None:
 
 @pytest.mark.parametrize("flash", [False, True], ids=["canonical", "flash"])
 def test_unpack_layers_equals_unpack_one_event_per_layer(flash: bool) -> None:
-    pool, _ = _pool(flash)
+    pool, _ = cuda_pool(flash)
     data = DataPath(BPB, pool)
     ids = list(range(0, 96, 3))
-    src = _content(ids, 7).cpu().pin_memory()
+    src = cuda_content(ids, 7).cpu().pin_memory()
     pieces = [(0, src[:10]), (10, src[10:])]
     data.unpack(ids, pieces)
     whole = pool.gather(ids).clone()
@@ -45,20 +46,20 @@ def test_a_reader_waiting_per_layer_sees_each_layer_bit_exact(tmp_path: Path, fl
     """As the attention layers do: on a second stream, wait for layer N (no host wait
     for the bytes), then copy layer N's blocks out, queued behind a busy compute
     stream; every layer read equals what was stored."""
-    pool, caches = _pool(flash)
+    pool, caches = cuda_pool(flash)
     ids = list(range(0, 128))
-    want = _content(ids, 11)
+    want = cuda_content(ids, 11)
     pool.scatter(ids, want)
-    keys = _keys(len(ids), salt=3)
+    keys = make_keys(len(ids), salt=3)
     targets = list(range(128, 256))
     index = torch.tensor(targets, device="cuda")
-    with _offloader(tmp_path, pool, cpu_blocks=160, mmap=False) as off:
-        assert _wait(off, off.submit_store(keys, ids)) == len(ids)
+    with cuda_offloader(tmp_path, pool, cpu_blocks=160, mmap=False) as off:
+        assert wait_blocks(off, off.submit_store(keys, ids)) == len(ids)
         for round_ in range(3):
             pool.scatter(targets, torch.zeros_like(want))
             reader = torch.cuda.Stream()  # type: ignore[no-untyped-call]
             with torch.cuda.stream(reader):
-                _busy(10)  # the model's earlier layers, still running
+                busy(10)  # the model's earlier layers, still running
                 progress = LayerProgress(pool.num_layers)
                 plan = off.prepare_load(keys)
                 job = off.submit_load(plan, targets, layers=progress)
@@ -67,7 +68,7 @@ def test_a_reader_waiting_per_layer_sees_each_layer_bit_exact(tmp_path: Path, fl
                 for layer in range(pool.num_layers):
                     progress.wait(layer, reader)  # the stream waits; the host goes on
                     seen.append(caches[layer].index_select(dim, index))
-            assert _wait(off, job) == len(ids), round_
+            assert wait_blocks(off, job) == len(ids), round_
             reader.synchronize()
             for layer, got in enumerate(seen):
                 off_, nbytes = pool.layer_offsets[layer], pool.layer_bytes[layer]

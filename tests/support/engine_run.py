@@ -1,9 +1,19 @@
 """Run real vLLM engines (CPU build, tiny dummy-weight Llama) and print JSON results.
 
 Used by the end-to-end tests as a subprocess, because vLLM spawns processes and needs
-a ``__main__`` guard. Usage::
+a ``__main__`` guard. Two ways to run it::
 
-    python engine_run.py SPEC.json
+    python engine_run.py SPEC.json     # the engines of one spec, then exit
+    python engine_run.py --serve       # one spec per stdin line, until stdin closes
+
+``--serve`` is the end-to-end tests' engine server (``support/e2e.py``): one interpreter
+for every engine of a pytest session, so vLLM's import (about 10 s here) is paid once,
+not once per test. Each spec's ``cwd`` is where it runs and ``stderr`` the file its
+engines' standard error goes to (the engine core's and workers' too, in multi-process
+mode: they inherit the descriptor); after its engines it prints ``E2E-DONE <status>``.
+Between engines the process's CPU affinity, torch's thread count and the environment
+are put back as they were: a single-process engine binds this process to one CPU, as
+vLLM binds its CPU worker's.
 
 SPEC: ``model`` (a directory holding config.json), ``kvoffload`` (the
 ``kv_connector_extra_config``, or null for no connector), ``rounds`` (lists of prompts
@@ -18,6 +28,10 @@ optional:
   abort them all, step until the engine is idle, then wait up to ``s`` seconds for
   the connector to settle (single-process mode: the connector's health is read in
   this process);
+- ``env``: environment variables for the engine (``VLLM_ENABLE_V1_MULTIPROCESSING``:
+  ``"0"`` runs it in this process, so its connector counters can be read here); vLLM's
+  cache of its environment is cleared first, so each engine reads its own;
+- ``hold``: after the rounds, print ``E2E-HOLD <index>`` and wait to be killed;
 - ``engines``: a list of overrides of the keys above: one engine after the other in
   this process (each shut down before the next starts), one result line each. Saves
   the interpreter's start and vLLM's import (about 12 s of each engine run here).
@@ -28,18 +42,23 @@ did), and one ``E2E-RESULT <json>`` line: ``index``, ``rounds`` (per prompt its 
 token ids, ``num_cached_tokens``, ``finish_reason`` and whether it failed), ``resets``
 (per round, whether vLLM's prefix cache could be reset after it), ``failed``
 (how many requests failed), ``error`` (an exception that ended the engine, else
-``null``), and in single-process mode the connector's ``kvoffload`` counters and
-``health``. An engine that fails prints ``E2E-FAILED <json>`` instead, its traceback
-goes to stderr, and the exit status is 1.
+``null``), and in single-process mode the connector's ``kvoffload`` counters (read
+once the engine has shut down, its Offloader closed after every queued job ran;
+``kvoffload_at_idle``: read after the last round) and ``health``. An engine that
+fails prints ``E2E-FAILED <json>`` instead, its traceback goes to stderr, and the exit
+status is 1.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
+import os
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -211,6 +230,7 @@ def run_engine(spec: dict[str, Any], index: int) -> dict[str, Any]:
     }
     t0 = time.monotonic()
     llm = LLM(**kwargs)
+    engine_id: str | None = None
     try:
         result["start_seconds"] = time.monotonic() - t0
         transfer_config = llm.llm_engine.vllm_config.kv_transfer_config
@@ -224,6 +244,12 @@ def run_engine(spec: dict[str, Any], index: int) -> dict[str, Any]:
             result["failed"] += sum(o["failed"] for o in done)
             _emit("E2E-ROUND", index, r, json.dumps(done))
             result["resets"].append(_reset_prefix_cache(llm))
+        if spec.get("hold"):
+            # Wait to be killed: a test that kills an engine at a random moment never
+            # finds it gone, however fast it ran its rounds.
+            _emit("E2E-HOLD", index)
+            while True:
+                time.sleep(3600)
         if spec.get("abort") is not None:
             result["abort"] = _abort_run(llm, params, spec["abort"], engine_id)
         result["kvoffload"], result["health"] = (
@@ -232,22 +258,74 @@ def run_engine(spec: dict[str, Any], index: int) -> dict[str, Any]:
     except Exception:
         result["error"] = traceback.format_exc()
     finally:
+        worker_side = _worker_side(engine_id) if spec.get("kvoffload") is not None else None
         t1 = time.monotonic()
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
         result["shutdown_seconds"] = time.monotonic() - t1
+    if worker_side is not None:
+        result["kvoffload_at_idle"] = result["kvoffload"]
+        result["kvoffload"] = _final_counters(worker_side)
     result["seconds"] = time.monotonic() - t0
     return result
 
 
-def main(spec_path: str) -> int:
-    spec = json.loads(Path(spec_path).read_text())
+def _worker_side(engine_id: str | None) -> Any:
+    """This engine's connector state, when its worker side runs in this process."""
+    from kvoffload.connectors.vllm import shared
+
+    with shared._REGISTRY_LOCK:
+        return shared._REGISTRY.get(engine_id or "")
+
+
+def _final_counters(worker_side: Any) -> dict[str, Any]:
+    """The connector's counters once the engine has shut down: its Offloader closed
+    after running every queued job, so what a test reads of stores does not depend on
+    how far the lanes had got when the last round ended."""
+    from kvoffload.connectors.vllm.metrics import _snapshot
+
+    counters: dict[str, Any] = _snapshot(worker_side)
+    return counters
+
+
+@contextlib.contextmanager
+def _engine_environment(env: dict[str, str]) -> Iterator[None]:
+    """``env`` set for one engine, and this process's affinity, torch threads and
+    environment restored after it."""
+    import torch
+
+    saved_env = dict(os.environ)
+    affinity = os.sched_getaffinity(0)
+    threads = torch.get_num_threads()
+    os.environ.update(env)
+    _clear_vllm_env_cache()
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        _clear_vllm_env_cache()
+        os.sched_setaffinity(0, affinity)
+        torch.set_num_threads(threads)
+
+
+def _clear_vllm_env_cache() -> None:
+    """vLLM caches its environment once an engine is up; the next one reads it anew."""
+    if "vllm.envs" in sys.modules:
+        sys.modules["vllm.envs"].disable_envs_cache()
+
+
+def run_spec(spec: dict[str, Any]) -> int:
+    """Run a spec's engines one after the other, printing each one's result line; 1 if
+    any failed."""
     engines = spec.pop("engines", None) or [{}]
     status = 0
     for index, overrides in enumerate(engines):
+        engine_spec = {**spec, **overrides}
         try:
-            result = run_engine({**spec, **overrides}, index)
+            with _engine_environment(engine_spec.get("env", {})):
+                result = run_engine(engine_spec, index)
         except Exception:
             result = {"index": index, "rounds": [], "failed": 0, "error": traceback.format_exc()}
         if result["error"] is None:
@@ -261,5 +339,32 @@ def main(spec_path: str) -> int:
     return status
 
 
+def main(spec_path: str) -> int:
+    return run_spec(json.loads(Path(spec_path).read_text()))
+
+
+def serve() -> int:
+    """One spec per line of standard input, each run in its ``cwd`` with standard error
+    (file descriptor 2, inherited by vLLM's child processes) in its ``stderr`` file."""
+    home = os.getcwd()
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        spec = json.loads(line)
+        saved = os.dup(2)
+        with open(spec.pop("stderr", os.devnull), "ab") as err:
+            os.dup2(err.fileno(), 2)
+        try:
+            os.chdir(spec.pop("cwd", home))
+            status = run_spec(spec)
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            os.chdir(home)
+        print(f"E2E-DONE {status}", flush=True)
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(serve() if sys.argv[1:] == ["--serve"] else main(sys.argv[1]))

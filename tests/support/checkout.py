@@ -16,7 +16,9 @@ from typing import Final
 
 import kvoffload
 
-TESTS: Final = Path(__file__).resolve().parent
+SUPPORT: Final = Path(__file__).resolve().parent
+"""This folder: the helpers, and the programs the tests run as child processes."""
+TESTS: Final = SUPPORT.parent
 REPO: Final = TESTS.parent
 TRACE: Final = TESTS / "data" / "mooncake_conversation_head2000.jsonl"
 """The Mooncake trace slice the tests replay (attribution: ``tests/data/README.md``)."""
