@@ -47,6 +47,7 @@ openai = pytest.importorskip("openai")
 
 import httpx  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from support.e2e import FAILING_READS, SABOTAGE  # noqa: E402
 from support.engine_run import write_tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.slow  # real vLLM engines
@@ -328,6 +329,11 @@ tiers:
     max_pending_stores: 64
 """
     )
+    if SABOTAGE:  # every load fails: this test must fail (support/e2e.py)
+        text = config.read_text().replace(
+            "backend: cpu\n", f"backend: flakycpu\n    fail_reads: {FAILING_READS}\n", 1
+        )
+        config.write_text(text)
     timeline: list[str] = []
     t0 = time.monotonic()
 

@@ -377,6 +377,10 @@ def test_disk_faults_and_hangs_never_fail_a_request(
     assert stored["tier.disk.store_errors"] > 0, report  # the write faults hit
     assert stored["tier.disk.blocks_stored"] > 0, report  # and some stores got through
     assert read["prefetched_blocks"] + read["prefetch_failed"] > 0, report
+    # What the read faults left intact was served: prefetched into the cpu tier and
+    # loaded from there, without a load error.
+    assert read["blocks_loaded"] > 0, report
+    assert read["load_errors"] == 0, report
     assert hung["prefetch_late"] > 0, report
     assert hung["blocks_loaded"] == 0, report  # nothing came up in time: all recomputed
     assert first["load_timeouts"] > 0, report

@@ -37,6 +37,11 @@ from support.checkout import SUPPORT
 from support.engine_run import write_tiny_llama
 
 ENGINE_RUN: Final = SUPPORT / "engine_run.py"
+SABOTAGE: Final = os.environ.get("E2E_FAIL_EVERY_LOAD", "") == "1"
+"""``E2E_FAIL_EVERY_LOAD=1``: every engine of the end-to-end tests runs with every
+load failing (:func:`sabotaged`, applied by :func:`make_spec` and the OpenAI-server
+test), so that ``pytest tests/e2e`` shows which tests a failed load cannot pass: each
+that claims a hit must fail. Never set in CI."""
 BLOCK: Final = 32
 MAX_TOKENS: Final = 8
 
@@ -70,7 +75,17 @@ def make_spec(tmp: Path, **spec: Any) -> dict[str, Any]:
     model = write_tiny_llama(tmp / "model")
     full = {"model": str(model), "max_tokens": MAX_TOKENS, "rounds": [], **spec}
     full["engine"] = {"gpu_memory_utilization": 0.2, **spec.get("engine", {})}
+    if SABOTAGE:
+        for engine in [full, *full.get("engines", [])]:
+            if _first_tier_is_cpu(engine.get("kvoffload")):
+                engine["kvoffload"] = sabotaged(engine["kvoffload"])
     return full
+
+
+def _first_tier_is_cpu(conn: dict[str, Any] | None) -> bool:
+    """Whether a connector config names its tiers, the first of them ``cpu``."""
+    tiers = ((conn or {}).get("config") or {}).get("tiers")
+    return bool(tiers) and tiers[0].get("backend", "cpu") == "cpu"
 
 
 def write_spec(tmp: Path, **spec: Any) -> Path:
