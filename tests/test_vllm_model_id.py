@@ -24,12 +24,12 @@ from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
 from kvoffload.exceptions import ConfigError
 
 
-def _vllm(model: Path, **extra: Any) -> VllmConfig:
+def _vllm(model: Path, cache: dict[str, Any] | None = None, **extra: Any) -> VllmConfig:
     return VllmConfig(
         model_config=ModelConfig(
             model=str(model), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=2048
         ),
-        cache_config=CacheConfig(block_size=32),
+        cache_config=CacheConfig(block_size=32, **(cache or {})),
         kv_transfer_config=KVTransferConfig(
             kv_connector="TieredOffloadConnector",
             kv_connector_module_path="kvoffload.connectors.vllm",
@@ -75,3 +75,19 @@ def test_model_id_is_a_known_key_and_a_misspelling_is_not() -> None:
     config_from_vllm({"config": {"tiers": [{"name": "cpu"}]}, "model_id": "m"})
     with pytest.raises(ConfigError, match=r"unknown key\(s\) \['model_ids'\]"):
         config_from_vllm({"config": {"tiers": [{"name": "cpu"}]}, "model_ids": "m"})
+
+
+def test_each_fp8_format_has_its_own_fingerprint(two_paths: tuple[Path, Path]) -> None:
+    """An fp8 cache is stored as vLLM keeps it (``uint8``), under a fingerprint naming
+    its format: e4m3 (``"fp8"`` is e4m3, as vLLM reads it), e5m2 and bf16 never mix."""
+    a = two_paths[0]
+    layouts = {
+        d: layout_from_vllm(_vllm(a, {"cache_dtype": d}))
+        for d in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+    }
+    assert layouts["auto"].dtype == "bfloat16"
+    assert {layouts[d].dtype for d in ("fp8", "fp8_e4m3", "fp8_e5m2")} == {"uint8"}
+    assert layouts["fp8"].fingerprint == layouts["fp8_e4m3"].fingerprint
+    prints = {layouts[d].fingerprint for d in ("auto", "fp8_e4m3", "fp8_e5m2")}
+    assert len(prints) == 3
+    assert layouts["fp8"].bytes_per_block * 2 == layouts["auto"].bytes_per_block

@@ -126,23 +126,38 @@ def model_id_from_vllm(vllm_config: VllmConfig) -> str:
     return f"{model.model}@{revision}" if revision else str(model.model)
 
 
+FP8_CACHES: Final = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
+"""vLLM's fp8 ``cache_dtype`` values and the format each stores (``"fp8"`` is e4m3, as
+vLLM reads it). vLLM keeps an fp8 cache in ``uint8`` tensors; kvoffload stores those
+bytes as they are, under a fingerprint that names the format, so that a block written
+as one format is never read as another, nor as bf16. vLLM 0.32 has no per-engine
+(computed) KV scales: the scales come with the weights, which ``model_id`` names, so
+engines that share blocks read their bytes as the same values."""
+
+
 def layout_from_vllm(vllm_config: VllmConfig) -> KVLayout:
     """The KV layout of this engine's blocks, as kvoffload fingerprints it."""
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
-    dtype = model.dtype if vllm_config.cache_config.cache_dtype == "auto" else None
-    if dtype is None:
+    cache = vllm_config.cache_config
+    namespace = f"vllm:{model_id_from_vllm(vllm_config)}:tp{parallel.rank}"
+    if cache.cache_dtype == "auto":
+        dtype = str(model.dtype).removeprefix("torch.")
+    elif cache.cache_dtype in FP8_CACHES:
+        dtype = "uint8"
+        namespace += f":cache={FP8_CACHES[cache.cache_dtype]}"
+    else:
         raise ConfigError(
-            f"cache_dtype = {vllm_config.cache_config.cache_dtype!r} is not supported by "
-            "kvoffload yet; use cache_dtype='auto'"
+            f"cache_dtype = {cache.cache_dtype!r} is not supported by kvoffload yet; use "
+            f"cache_dtype='auto' or one of {', '.join(repr(d) for d in FP8_CACHES)}"
         )
     return KVLayout(
         num_layers=model.get_num_layers(parallel),
         num_kv_heads=model.get_num_kv_heads(parallel),
         head_dim=model.get_head_size(),
-        block_size=vllm_config.cache_config.block_size,
-        dtype=str(dtype).removeprefix("torch."),
-        namespace=f"vllm:{model_id_from_vllm(vllm_config)}:tp{parallel.rank}",
+        block_size=cache.block_size,
+        dtype=dtype,
+        namespace=namespace,
     )
 
 

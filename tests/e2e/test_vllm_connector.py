@@ -23,10 +23,13 @@ from typing import Any
 import pytest
 from kvoffload.backends.mmap import MmapBackend
 from support.e2e import (
+    BATCH,
+    BATCH_BLOCKS,
     EngineRun,
     EngineServer,
     assert_loaded,
     cached,
+    connector_tiers,
     outputs,
     sabotaged,
     tokens,
@@ -296,3 +299,32 @@ def test_tensor_parallel_ranks_keep_their_own_shards(engines: EngineServer, tmp_
     assert second["rounds"][0][0]["cached"] == 288
     assert second["failed"] == 0
     assert _tokens(second, 0) == _tokens(ref, 0)
+
+
+@pytest.mark.parametrize("loads", LOADS)
+def test_an_fp8_cache_is_stored_byte_for_byte(
+    engines: EngineServer, tmp_path: Path, reference: Any, loads: str
+) -> None:
+    """``kv_cache_dtype="fp8"``: vLLM keeps the cache in ``uint8`` tensors, and the
+    connector stores those bytes as they are. A repeat is served from the cpu tier and
+    a new engine from the disk tier (28 blocks each: the batch's every full block),
+    outputs equal to the same fp8 engine without the connector."""
+    conn = _conn(connector_tiers("mmap", tmp_path / "disk", capacity="64MiB"), loads)
+    ref, repeat, restart = engines.results(
+        tmp_path,
+        rounds=[BATCH, BATCH],
+        failure_policy="recompute",
+        engine={"kv_cache_dtype": "fp8"},
+        engines=[
+            {"kvoffload": None},
+            {"kvoffload": conn},
+            {"kvoffload": conn, "rounds": [BATCH]},
+        ],
+    )
+    with _checks(loads):
+        assert outputs(repeat, 0) == outputs(ref, 0)
+        assert outputs(repeat, 1) == outputs(ref, 1)
+        assert outputs(restart, 0) == outputs(ref, 0)
+        assert_loaded(repeat, BATCH_BLOCKS)
+        assert_loaded(restart, BATCH_BLOCKS)
+        assert restart["kvoffload"]["tier.disk.hits"] == BATCH_BLOCKS
