@@ -112,10 +112,6 @@ def reference(engines: EngineServer, tmp_path_factory: pytest.TempPathFactory) -
     return _engine(engines, tmp_path_factory.mktemp("ref"), None, rounds)
 
 
-def _tokens(result: Any, round_: int) -> list[list[int]]:
-    return outputs(result, round_)
-
-
 @pytest.mark.parametrize("loads", LOADS)
 def test_outputs_equal_and_a_repeat_is_served_from_the_cpu_tier(
     engines: EngineServer, tmp_path: Path, reference: Any, loads: str
@@ -125,8 +121,8 @@ def test_outputs_equal_and_a_repeat_is_served_from_the_cpu_tier(
     rounds = [[_prompt(1), _prompt(2)], [_prompt(1), _prompt(2)]]
     result = _engine(engines, tmp_path, _conn(_cpu(), loads), rounds)
     with _checks(loads):
-        assert _tokens(result, 0) == _tokens(reference, 0)
-        assert _tokens(result, 1) == _tokens(reference, 1)
+        assert outputs(result, 0) == outputs(reference, 0)
+        assert outputs(result, 1) == outputs(reference, 1)
         assert cached(result, 0) == [0, 0]
         assert cached(result, 1) == [288, 288]
         assert cached(reference, 1) == [0, 0]  # vLLM alone: nothing
@@ -160,7 +156,7 @@ def test_a_restarted_engine_is_served_from_the_disk_tier(
     )
     with _checks(loads):
         assert second["rounds"][0][0]["cached"] == 288  # a new engine: only the disk had it
-        assert _tokens(second, 0)[0] == _tokens(reference, 0)[0]
+        assert outputs(second, 0)[0] == outputs(reference, 0)[0]
         assert second["failed"] == 0
         if not default_mode:
             assert_loaded(second, 9)
@@ -206,7 +202,7 @@ def test_corrupt_disk_block_is_recomputed_not_served(
     run = _run(engines, tmp_path, conn, [[_prompt(1)]])
     assert len(run.results) == 1, run.detail()
     (second,) = run.results
-    assert _tokens(second, 0)[0] == _tokens(reference, 0)[0]
+    assert outputs(second, 0)[0] == outputs(reference, 0)[0]
     assert "1 of " in run.stderr
     assert "failed verification" in run.stderr
     counters = second["kvoffload"]
@@ -241,7 +237,7 @@ def test_preempted_requests_come_back_from_the_tiers(
     )
     counters = got["kvoffload"]
     with _checks(loads):
-        assert _tokens(got, 0) == _tokens(ref, 0)
+        assert outputs(got, 0) == outputs(ref, 0)
         assert counters["blocks_loaded_after_preemption"] > 0, json.dumps(counters)
         assert_loaded(got)
 
@@ -258,8 +254,8 @@ def test_layerwise_loads_give_identical_outputs(
     result = _engine(engines, tmp_path, {**_conn(_cpu(), loads), "layerwise_loads": True}, rounds)
     counters = result["kvoffload"]
     with _checks(loads):
-        assert _tokens(result, 0) == _tokens(reference, 0)
-        assert _tokens(result, 1) == _tokens(reference, 1)
+        assert outputs(result, 0) == outputs(reference, 0)
+        assert outputs(result, 1) == outputs(reference, 1)
         assert cached(result, 1) == [288, 288]
         assert_loaded(result, 18)
         assert counters["blocks_loaded_layerwise"] == 18, json.dumps(counters)
@@ -291,14 +287,14 @@ def test_tensor_parallel_ranks_keep_their_own_shards(engines: EngineServer, tmp_
             {"kvoffload": conn, "rounds": [[_prompt(1)]]},
         ],
     )
-    assert _tokens(first, 0) == _tokens(ref, 0)
-    assert _tokens(first, 1) == _tokens(ref, 1)
+    assert outputs(first, 0) == outputs(ref, 0)
+    assert outputs(first, 1) == outputs(ref, 1)
     assert first["rounds"][1][0]["cached"] == 288
     assert first["failed"] == 0
     assert sorted(p.name for p in (tmp_path / "t").iterdir()) == ["rank0", "rank1"]
     assert second["rounds"][0][0]["cached"] == 288
     assert second["failed"] == 0
-    assert _tokens(second, 0) == _tokens(ref, 0)
+    assert outputs(second, 0) == outputs(ref, 0)
 
 
 @pytest.mark.parametrize("loads", LOADS)

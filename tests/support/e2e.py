@@ -122,7 +122,6 @@ class EngineServer:
         self.log_dir = log_dir
         self.proc: subprocess.Popen[str] | None = None
         self.lines: queue.Queue[str | None] = queue.Queue()
-        self.served = 0
         self.pump: threading.Thread | None = None
 
     def _start(self) -> subprocess.Popen[str]:
@@ -191,7 +190,6 @@ class EngineServer:
             if line.startswith("E2E-DONE "):
                 break
             out.append(line)
-        self.served += 1
         stdout = "".join(out)
         return EngineRun(
             result_lines(stdout, "E2E-RESULT "), result_lines(stdout, "E2E-FAILED "), _tail(err)
