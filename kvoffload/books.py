@@ -99,6 +99,26 @@ class Books:
         with self.lock:
             return len(self._locate(keys))
 
+    def held(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Per key, whether some tier holds it ready (one question to the servers for
+        all of them)."""
+        self._ask_servers(keys)
+        with self.lock:
+            return [len(self._locate([key])) == 1 for key in keys]
+
+    def resident(self, keys: Sequence[BlockKey]) -> int:
+        """Length of the longest prefix of ``keys`` the first tier holds ready."""
+        with self.lock:
+            return self.managers[0].lookup(keys)
+
+    def clear_first(self) -> int:
+        """Drop every block the first tier holds that nobody has pinned; how many."""
+        with self.lock:
+            manager = self.managers[0]
+            idle = [k for k in manager.held_keys() if manager.idle(k)]
+            self._discard(0, manager.remove(idle))
+            return len(idle)
+
     def _ask_servers(self, keys: Sequence[BlockKey], owner: Hashable = None) -> None:
         """Before a lookup: ask each tier whose books are its server's which of the
         keys past the first tier's prefix it holds (a network round trip, so outside

@@ -72,6 +72,9 @@ class LRUOffloadingManager(OffloadingManager):
         slot = self.policy.get(key)
         return slot is not None and self._refs[slot] == 0
 
+    def held_keys(self) -> list[BlockKey]:
+        return [key for key, _ in self.policy.items()]
+
     def pinned(self) -> int:
         """Blocks pinned by loads now (``ref_cnt > 0``); O(blocks), for health checks."""
         refs = self._refs

@@ -109,6 +109,11 @@ class OffloadingManager(ABC):
     def remove(self, keys: Sequence[BlockKey]) -> list[int]:
         """Drop idle blocks for good (found corrupt); their freed slots."""
 
+    def held_keys(self) -> list[BlockKey]:
+        """Every key held (for a reset of the whole tier). Books kept on a shared server
+        list none: that server's other clients own its blocks too."""
+        return []
+
     @abstractmethod
     def check(self) -> list[str]:
         """Consistency problems of the books (empty when consistent)."""

@@ -263,6 +263,21 @@ class Offloader:
         and that have not started are cancelled (their reserved slots freed)."""
         self._books.release(owner)
 
+    def held(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Per key, whether some tier holds it ready: for hits that need blocks other
+        than a prefix (a sliding window's, before a boundary)."""
+        return self._books.held(keys)
+
+    def resident(self, keys: Sequence[BlockKey]) -> int:
+        """Length of the longest prefix of ``keys`` the first tier holds ready (no
+        prefetch needed)."""
+        return self._books.resident(keys)
+
+    def clear_first_tier(self) -> int:
+        """Drop every unpinned block of the first tier (a reset of the engine's
+        external cache); how many. Lower tiers keep theirs."""
+        return self._books.clear_first()
+
     def pinned(self) -> list[int]:
         """Blocks pinned by loads and claims, per tier (0 everywhere when idle)."""
         return self._books.pinned()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pickle
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -338,3 +339,62 @@ def test_events_from_several_workers_keep_what_all_reported() -> None:
     assert single.aggregate().get_all_events() == [stored(b"a"), stored(b"a")]
     # They cross from the worker's process to the engine core's pickled.
     assert pickle.loads(pickle.dumps(single)).get_all_events() == [stored(b"a")] * 2
+
+
+def _hit(eng: Engine, req: Request, block_ids: list[int]) -> int:
+    """``admit``, asking again while the hit is prefetched (``None``), as vLLM does."""
+    deadline = time.monotonic() + 30
+    while (matched := eng.scheduler.get_num_new_matched_tokens(req, 0)[0]) is None:
+        assert time.monotonic() < deadline, "the prefetch never landed"
+        time.sleep(0.005)
+    blocks = KVCacheBlocks(blocks=([KVCacheBlock(block_id=i) for i in block_ids],))
+    eng.scheduler.update_state_after_alloc(req, blocks, matched)
+    return matched
+
+
+def test_hit_sources_say_which_tier_served_the_hit(model_dir: str, tmp_path: Path) -> None:
+    """vLLM's per-source hit counts (``get_external_cache_hit_sources``): a repeat's
+    blocks come from the cpu tier (``host``); on a new engine over the same mmap tier
+    they were prefetched from the disk (``disk``)."""
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    tiers = [
+        {"name": "cpu", "capacity": 8 * BYTES_PER_BLOCK},
+        {"name": "ssd", "backend": "mmap", "capacity": "1MiB", "path": str(tmp_path / "ssd")},
+    ]
+    stored = Engine(vllm_config(model_dir, tiers, events=False))
+    try:
+        a = stored.request("a", prompt(0))
+        stored.admit(a, [0, 1, 2, 3])
+        stored.step(a, [0, 1, 2, 3], len(a.prompt_token_ids or []))
+        _REGISTRY[stored.worker.engine_id].offloader.drain()
+        assert _repeat_sources(stored) == {CacheHitSource.HOST: 3 * BLOCK}
+    finally:
+        stored.close()
+    restarted = Engine(vllm_config(model_dir, tiers, events=False))
+    try:
+        assert _repeat_sources(restarted) == {CacheHitSource.DISK: 3 * BLOCK}
+    finally:
+        restarted.close()
+
+
+def _repeat_sources(eng: Engine) -> dict[Any, int]:
+    """The per-source split of the hit of ``prompt(0)`` again."""
+    again = eng.request("again", prompt(0))
+    assert _hit(eng, again, [8, 9, 10, 11]) == 3 * BLOCK
+    sources: dict[Any, int] = eng.scheduler.get_external_cache_hit_sources(again, 3 * BLOCK)
+    return sources
+
+
+def test_reset_cache_empties_the_cpu_tier(events_off: Engine) -> None:
+    """``/reset_prefix_cache?reset_external=true`` calls ``reset_cache``: the cpu tier's
+    blocks go, and a repeat is a miss."""
+    eng = events_off
+    a = eng.request("a", prompt(0))
+    eng.admit(a, [0, 1, 2, 3])
+    eng.step(a, [0, 1, 2, 3], len(a.prompt_token_ids or []))
+    offloader = _REGISTRY[eng.worker.engine_id].offloader
+    assert len(offloader.tiers[0].manager.held_keys()) == 3
+    assert eng.scheduler.reset_cache() is True
+    assert offloader.tiers[0].manager.held_keys() == []
+    assert eng.admit(eng.request("again", prompt(0)), [8, 9, 10, 11]) == 0

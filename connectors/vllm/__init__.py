@@ -20,7 +20,13 @@ side takes the smallest answer of all ranks (``None`` if any is undecided).
 
 - **Keys** are vLLM's own ``request.block_hashes`` (chained, seeded: never rehashed),
   namespaced by the layout fingerprint and the TP rank, so another model's or rank's
-  blocks are never read.
+  blocks are never read, and by the KV cache group.
+- **Every model family.** The connector is ``SupportsHMA``, so vLLM keeps its hybrid KV
+  cache manager on: full-attention groups store every block, sliding-window groups the
+  window before a boundary, Mamba groups the state vLLM hands over at a boundary, and
+  a hit is the longest boundary every group serves (:mod:`.groups`). MLA's latent
+  cache, the same on every TP rank, is kept once by rank 0, which sends its loads to
+  the other ranks.
 - **Verified hits.** A hit is claimed only for blocks the cpu tier holds verified.
   The scheduler's lookup (``get_num_new_matched_tokens``) asks the worker to
   :meth:`~kvoffload.offloader.Offloader.claim` the request's blocks: those only a disk
@@ -65,12 +71,15 @@ as vLLM's own ``OffloadingConnector`` hands off to its scheduler and worker obje
 - :mod:`.metrics`: the counters, :class:`TieredOffloadStats` and
   :class:`TieredOffloadPromMetrics`;
 - :mod:`.events`: KV events (:class:`TieredOffloadKVEvents`);
+- :mod:`.groups`: vLLM's KV cache groups (kind, window, key namespace) and the one
+  block pool over them;
 - :mod:`.affinity`: the CPU affinity the worker side's threads start with;
 - :mod:`.config`: vLLM's config read into kvoffload's (config, layout, version check).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -80,9 +89,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
-
-from kvoffload.exceptions import ConfigError
 
 from .affinity import _rank_affinity as _rank_affinity
 from .affinity import rank_cpus
@@ -97,6 +106,7 @@ from .config import (
     options_from_vllm,
 )
 from .events import MAX_EVENT_HASHES, BlockHash, TieredOffloadKVEvents
+from .groups import groups_from_vllm
 from .metrics import (
     COUNTERS,
     PREFETCH_COUNTERS,
@@ -124,6 +134,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+logger = logging.getLogger(__name__)
+
 # What the single module ``kvoffload.connectors.vllm`` exported, plus the two halves.
 # ``_REGISTRY`` and ``_rank_affinity`` (above) stay importable from here for the tests.
 __all__ = [
@@ -150,7 +162,7 @@ __all__ = [
 ]
 
 
-class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM: Any
+class TieredOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]  # vLLM: Any
     """See the module docstring. Reads the engine's config (either role), then hands
     each call to its role's half: :class:`TieredOffloadScheduler` or
     :class:`TieredOffloadWorker` (the other half is ``None``)."""
@@ -168,22 +180,36 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
         extra = dict(transfer.kv_connector_extra_config or {})
         self.config = config_from_vllm(extra)
         self.options = options_from_vllm(extra)
-        self.layout = layout_from_vllm(vllm_config)
         self.block_size = vllm_config.cache_config.block_size
-        hash_block = getattr(vllm_config.cache_config, "hash_block_size", None)
-        if hash_block not in (None, self.block_size):
-            # Keys are one per ``request.block_hashes`` entry, one per engine block.
-            raise ConfigError(
-                f"cache_config.hash_block_size = {hash_block} differs from block_size = "
-                f"{self.block_size}: kvoffload keys whole blocks; use one block size "
-                "(hybrid models are not supported yet)"
+        hash_block = getattr(kv_cache_config, "hash_block_size", None) or getattr(
+            vllm_config.cache_config, "hash_block_size", None
+        )
+        self.groups = groups_from_vllm(kv_cache_config, self.block_size)
+        # Keys are one per ``request.block_hashes`` entry, one per engine block, in
+        # every group: with another hash size, or a group of other blocks (vLLM's
+        # prefix caching off for a Mamba hybrid: a state block per request, hashes of
+        # max_model_len tokens), there is nothing to key, and the connector idles.
+        sizes = {g.block_size for g in self.groups if g.block_size} | {hash_block or 0}
+        self.inert = bool(sizes - {0, self.block_size})
+        if self.inert and role == KVConnectorRole.SCHEDULER:
+            logger.warning(
+                "kvoffload: this engine's KV cache groups or vLLM's block hashes use "
+                "blocks of %s tokens besides its %d-token blocks: the connector stores "
+                "and loads nothing (turn vLLM's prefix caching on to get hits)",
+                sorted(sizes - {0, self.block_size}),
+                self.block_size,
             )
+        mla = bool(getattr(vllm_config.model_config, "use_mla", False))
+        self.layout = layout_from_vllm(vllm_config, mla=mla)
         self.engine_id = str(transfer.engine_id)
         parallel = vllm_config.parallel_config
         self.ranks = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
         self.rank = parallel.rank if role == KVConnectorRole.WORKER else 0
+        # MLA's latent cache is the same on every tensor-parallel rank: rank 0 keeps it
+        # (in the tiers a one-rank engine uses) and sends loads to the others.
+        self.replicated = mla and self.ranks > 1 and parallel.pipeline_parallel_size == 1
         self._slot = _registry_key(self.engine_id, self.rank)
-        if self.ranks > 1 and role == KVConnectorRole.WORKER:
+        if self.ranks > 1 and role == KVConnectorRole.WORKER and not self.replicated:
             # One process per rank, each with its own tiers: a disk tier of one rank
             # must not share its directory with another's.
             self.config = _per_rank(self.config, self.rank)
@@ -196,8 +222,11 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
                 engine_id=self.engine_id,
                 slot=self._slot,
                 ranks=self.ranks,
+                asked=1 if self.replicated else self.ranks,
                 block_size=self.block_size,
                 events=self._events_enabled,
+                groups=self.groups,
+                inert=self.inert,
             )
         else:
             self._worker = TieredOffloadWorker(
@@ -210,6 +239,8 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
                 block_size=self.block_size,
                 events=self._events_enabled,
                 layerwise=self.options["layerwise_loads"],
+                groups=self.groups,
+                replicated=self.replicated,
             )
 
     def _scheduler_side(self) -> TieredOffloadScheduler:
@@ -241,6 +272,26 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
     ) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler_side().request_finished(request, block_ids)
 
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """``request_finished`` under vLLM's hybrid KV cache manager: the request's
+        blocks per KV cache group (:class:`SupportsHMA`, which keeps the hybrid
+        manager on with this connector)."""
+        return self._scheduler_side().request_finished(request, block_ids)
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[Any, int]:
+        """The tokens of this request's hit by the tier they came from: prefetched
+        from a disk tier (``disk``), or found in the cpu tier (``host``)."""
+        return self._scheduler_side().hit_sources(request, num_external_tokens)
+
+    def reset_cache(self) -> bool | None:
+        """``/reset_prefix_cache?reset_external=true``: drop every block the cpu tier
+        holds (persistent tiers keep theirs: see docs/vllm.md)."""
+        return self._scheduler_side().reset_cache()
+
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._scheduler_side().update_connector_output(connector_output)
 
@@ -270,6 +321,14 @@ class TieredOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM:
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._worker_side().get_finished(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Finished stores and loads, and failed loads: a hit of an engine with several
+        KV cache groups loads as vLLM's asynchronous load, which fails whole."""
+        sending, received, failed = self._worker_side().get_transfer_results(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=received, failed_recving=failed
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker_side().get_block_ids_with_load_errors()

@@ -40,8 +40,9 @@ def _authkey(engine_id: str) -> bytes:
 class _BooksServer:
     """Answers a scheduler in another process (vLLM's default on its CPU build runs the
     worker in its own process): one Unix socket per engine and rank, one thread,
-    requests ``("lookup", (req_id, keys))``, ``("plan", (plan_id, req_id, start, n))``
-    and ``("release", req_id)`` answered in order.
+    requests ``("lookup", (req_id, keys))``, ``("plan", (plan_id, req_id, start, n))``,
+    ``("release", req_id)``, ``("sources", req_id)`` and ``("reset", None)`` answered
+    in order.
     Microseconds per call against a step of milliseconds, and the books stay where the
     bytes are."""
 
@@ -143,3 +144,9 @@ class _RemoteBooks:
     def release(self, req_id: str) -> int:
         self._ask("release", req_id)
         return 0
+
+    def sources(self, req_id: str) -> int:
+        return self._ask("sources", req_id) or 0
+
+    def reset(self) -> int:
+        return self._ask("reset", None) or 0

@@ -22,8 +22,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED: Final = ((0, 32), (0, 33))
-"""vLLM minor versions whose connector API this module was written and tested for."""
+SUPPORTED: Final = ((0, 32),)
+"""vLLM minor versions whose connector API this module was written for and a test
+covers (tests/e2e on the installed CPU build)."""
 
 
 def check_vllm_version() -> str:
@@ -135,12 +136,18 @@ as one format is never read as another, nor as bf16. vLLM 0.32 has no per-engine
 engines that share blocks read their bytes as the same values."""
 
 
-def layout_from_vllm(vllm_config: VllmConfig) -> KVLayout:
-    """The KV layout of this engine's blocks, as kvoffload fingerprints it."""
+def layout_from_vllm(vllm_config: VllmConfig, *, mla: bool = False) -> KVLayout:
+    """The KV layout of this engine's blocks, as kvoffload fingerprints it.
+
+    ``mla``: the cache is MLA's latent vector per token (``kv_factor`` 1, one "head"),
+    the same on every tensor-parallel rank, so the namespace names no rank: engines of
+    any TP size share its blocks. A hybrid model's layout is made from its pool
+    instead (:func:`hybrid_layout`)."""
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     cache = vllm_config.cache_config
-    namespace = f"vllm:{model_id_from_vllm(vllm_config)}:tp{parallel.rank}"
+    where = "mla" if mla else f"tp{parallel.rank}"
+    namespace = f"vllm:{model_id_from_vllm(vllm_config)}:{where}"
     if cache.cache_dtype == "auto":
         dtype = str(model.dtype).removeprefix("torch.")
     elif cache.cache_dtype in FP8_CACHES:
@@ -153,11 +160,27 @@ def layout_from_vllm(vllm_config: VllmConfig) -> KVLayout:
         )
     return KVLayout(
         num_layers=model.get_num_layers(parallel),
-        num_kv_heads=model.get_num_kv_heads(parallel),
+        num_kv_heads=1 if mla else model.get_num_kv_heads(parallel),
         head_dim=model.get_head_size(),
         block_size=cache.block_size,
         dtype=dtype,
+        kv_factor=1 if mla else 2,
         namespace=namespace,
+    )
+
+
+def hybrid_layout(base: KVLayout, layers: int, page: int, groups: str) -> KVLayout:
+    """The layout of a hybrid model's blocks: ``layers`` rows of ``page`` bytes (one
+    per layer address the groups share, see :func:`.groups.pool_from_vllm`), under
+    ``base``'s namespace and the groups' description."""
+    return KVLayout(
+        num_layers=layers,
+        num_kv_heads=1,
+        head_dim=page,
+        block_size=1,
+        dtype="uint8",
+        kv_factor=1,
+        namespace=f"{base.namespace}:groups={groups}",
     )
 
 

@@ -23,6 +23,7 @@ from kvoffload.keys import BlockKey, key_from_hash
 
 from .books import _RemoteBooks
 from .events import BlockHash, TieredOffloadKVEvents
+from .groups import FULL, MAMBA, SLIDING, Group
 from .shared import _REGISTRY, _REGISTRY_LOCK, _Shared
 
 if TYPE_CHECKING:
@@ -36,12 +37,18 @@ if TYPE_CHECKING:
 class _Load:
     req_id: str
     plan_id: int
-    block_ids: list[int]
-    """GPU blocks to load into, one per planned key."""
+    block_ids: list[list[int]]
+    """Per KV cache group, the GPU blocks of the loaded positions ``[start, start +
+    n)``: a group whose hit needs only the blocks before the boundary (a window) loads
+    into the tail of its list."""
     resumed: bool = False
     """The request was preempted earlier: this load brings its work back."""
     hashes: list[BlockHash] = field(default_factory=list)
     """vLLM's hashes of the planned keys, for KV events (empty when they are off)."""
+    whole: bool = False
+    """Loaded as vLLM's asynchronous load: the request waits for it, and it succeeds or
+    fails whole (``finished_recving`` / ``failed_recving``), because vLLM cannot map a
+    failed block back to its request when there are several KV cache groups."""
 
 
 @dataclass
@@ -51,6 +58,12 @@ class _Store:
     block_ids: list[int]
     hashes: list[BlockHash] = field(default_factory=list)
     """vLLM's hashes of ``keys``, for KV events (empty when they are off)."""
+    group: int = 0
+    """The KV cache group of the blocks (their keys are namespaced by it)."""
+    fenced: bool = False
+    """vLLM may reuse these blocks while the request runs (a sliding window's block
+    leaving the window, a Mamba state block): the worker reads them before the next
+    step's forward pass."""
 
 
 @dataclass
@@ -66,9 +79,14 @@ class _ReqState:
     """Scheduler-side view of one request."""
 
     request: Request
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)
+    """Per KV cache group, the request's blocks (``0``: a block vLLM freed, or never
+    allocated, outside a sliding window)."""
     stored_blocks: int = 0
-    """Full blocks already handed to the worker for storing (or known held)."""
+    """Full blocks already handed to the worker for storing (or known held), in the
+    full-attention groups."""
+    stored_windows: set[tuple[int, int]] = field(default_factory=set)
+    """(group, position) of the blocks of windowed groups handed for storing."""
     had_store: bool = False
     local_tokens: int = 0
     """GPU prefix-cache hit, from the last ``get_num_new_matched_tokens``."""
@@ -81,15 +99,40 @@ class TieredOffloadScheduler:
     """The scheduler side of one engine (see the module docstring)."""
 
     def __init__(
-        self, *, engine_id: str, slot: str, ranks: int, block_size: int, events: bool
+        self,
+        *,
+        engine_id: str,
+        slot: str,
+        ranks: int,
+        block_size: int,
+        events: bool,
+        groups: list[Group] | None = None,
+        asked: int | None = None,
+        inert: bool = False,
     ) -> None:
         self.engine_id = engine_id
         self.ranks = ranks
+        self.inert = inert
+        """vLLM's block hashes are not one per KV cache block: nothing to key, so no
+        lookups and no stores."""
+        self.asked = ranks if asked is None else asked
+        """Ranks whose books answer: all, or rank 0 alone for a cache every rank holds
+        the same (MLA)."""
+        self.groups = groups or [Group(0, FULL, None, b"", ())]
+        self._full = [g.index for g in self.groups if g.kind == FULL]
+        self._sliding = [g for g in self.groups if g.kind == SLIDING]
+        self._mamba = {g.index for g in self.groups if g.kind == MAMBA}
+        # Several groups: vLLM takes no block-level load failure (a block id is unique
+        # only within its group), only a failed request of an asynchronous load; so
+        # such an engine's hits load as vLLM's asynchronous loads, done in one step.
+        self._whole_loads = len(self.groups) > 1
         self.block_size = block_size
         self._slot = slot
         self._events_enabled = events
         self._reqs: dict[str, _ReqState] = {}
         self._pending_loads: list[_Load] = []
+        self._pending_stores: list[_Store] = []
+        self._failed_loads: set[str] = set()
         self._preempted: set[str] = set()
         self._remote: _RemoteBooks | None = None
         self._next_plan = 0
@@ -105,7 +148,7 @@ class TieredOffloadScheduler:
                 shared = _REGISTRY.get(self._slot)
             if shared is not None:
                 return shared
-        self._remote = _RemoteBooks(self.engine_id, self.ranks)
+        self._remote = _RemoteBooks(self.engine_id, self.asked)
         return self._remote
 
     def _keys(self, request: Request, n: int) -> list[BlockKey]:
@@ -119,6 +162,9 @@ class TieredOffloadScheduler:
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         # Never the last prompt token: vLLM must compute at least one.
+        if self.inert or request.request_id in self._failed_loads:
+            # A request whose asynchronous load failed is computed, not loaded again.
+            return 0, False
         loadable = (request.num_prompt_tokens - 1) // self.block_size
         loadable = min(loadable, len(request.block_hashes))
         start = num_computed_tokens // self.block_size
@@ -134,7 +180,7 @@ class TieredOffloadScheduler:
             return None, False
         if hit <= start:
             return 0, False
-        return hit * self.block_size - num_computed_tokens, False
+        return hit * self.block_size - num_computed_tokens, self._whole_loads
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -147,9 +193,8 @@ class TieredOffloadScheduler:
             return
         start = state.local_tokens // self.block_size
         n = num_external_tokens // self.block_size
-        block_ids = list(blocks.get_block_ids()[0])
-        # ``blocks`` covers the local hit and the new blocks, from block 0.
-        targets = block_ids[start : start + n]
+        # ``blocks`` covers the local hit and the new blocks, from block 0, per group.
+        targets = [list(ids[start : start + n]) for ids in blocks.get_block_ids()]
         plan_id = self._next_plan
         self._next_plan += 1
         # The claim pinned blocks [0, hit); the engine loads [start, start + n).
@@ -157,57 +202,175 @@ class TieredOffloadScheduler:
         state.claimed = False
         resumed = request.request_id in self._preempted
         hashes = list(request.block_hashes[start : start + n]) if self._events_enabled else []
-        self._pending_loads.append(_Load(request.request_id, plan_id, targets, resumed, hashes))
+        self._pending_loads.append(
+            _Load(request.request_id, plan_id, targets, resumed, hashes, self._whole_loads)
+        )
         # Blocks being loaded are held by us already: no need to store them back.
         state.stored_blocks = max(state.stored_blocks, start + n)
+        for group in self.groups:
+            if group.window is not None:
+                first = max(0, start + n - group.window)
+                state.stored_windows.update((group.index, p) for p in range(first, start + n))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TieredOffloadMetadata:
-        meta = TieredOffloadMetadata(loads=self._pending_loads)
+        meta = TieredOffloadMetadata(loads=self._pending_loads, stores=self._pending_stores)
         self._pending_loads = []
+        self._pending_stores = []
         self._preempted.update(scheduler_output.preempted_req_ids or ())
         for new in scheduler_output.scheduled_new_reqs:
             state = self._reqs.get(new.req_id)
             if state is not None:
-                state.block_ids = list(new.block_ids[0])
+                state.block_ids = [list(ids) for ids in new.block_ids]
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self._reqs.get(req_id)
             new_ids = cached.new_block_ids[i]
             if state is None or new_ids is None:
                 continue
-            if req_id in cached.resumed_req_ids:
-                state.block_ids = list(new_ids[0])
+            if req_id in cached.resumed_req_ids or not state.block_ids:
+                state.block_ids = [list(ids) for ids in new_ids]
             else:
-                state.block_ids.extend(new_ids[0])
+                for have, more in zip(state.block_ids, new_ids, strict=False):
+                    have.extend(more)
+        # vLLM's current tables (sliding-window blocks freed and reused included):
+        # those are what a store must read.
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         for req_id, n_tokens in scheduler_output.num_scheduled_tokens.items():
             state = self._reqs.get(req_id)
-            if state is None:
+            if state is None or self.inert:
                 continue
+            if block_state is not None:
+                current = block_state.get_block_ids(req_id)
+                if current is not None:
+                    state.block_ids = [list(ids) for ids in current]
             req = state.request
             done_tokens = req.num_computed_tokens + n_tokens
-            full = min(done_tokens // self.block_size, len(req.block_hashes), len(state.block_ids))
+            held = min((len(state.block_ids[g]) for g in self._full), default=0)
+            full = min(done_tokens // self.block_size, len(req.block_hashes), held)
             if full > state.stored_blocks:
                 first = state.stored_blocks
                 keys = self._keys(req, full)[first:]
                 hashes = list(req.block_hashes[first:full]) if self._events_enabled else []
-                meta.stores.append(_Store(req_id, keys, state.block_ids[first:full], hashes))
+                for g in self._full:
+                    ids = state.block_ids[g][first:full]
+                    meta.stores.append(_Store(req_id, keys, ids, hashes, group=g))
                 state.stored_blocks = full
                 state.had_store = True
+            if self._sliding:
+                # The window before the request's replay boundary: where a repeat of
+                # its prompt hits.
+                boundary = self._replay_boundary(req)
+                if done_tokens >= boundary * self.block_size:
+                    meta.stores.extend(self._window_stores(state, boundary))
+        if block_state is not None:
+            for req_id, handoffs in block_state.boundary_state_offloads.items():
+                meta.stores.extend(self._state_stores(req_id, handoffs))
         return meta
 
+    def _replay_boundary(self, request: Request) -> int:
+        """The block boundary a repeat of ``request``'s prompt would hit at."""
+        return min(int(request.num_prompt_tokens - 1) // self.block_size, len(request.block_hashes))
+
+    def _window_stores(self, state: _ReqState, boundary: int) -> list[_Store]:
+        """Stores of each sliding-window group's blocks right before ``boundary`` not
+        stored yet, fenced; none for a group whose window there is not whole."""
+        stores = []
+        req = state.request
+        for group in self._sliding:
+            assert group.window is not None
+            first = max(0, boundary - group.window)
+            ids = state.block_ids[group.index][first:boundary]
+            if boundary == 0 or len(ids) < boundary - first or 0 in ids:
+                continue
+            todo = [
+                p for p in range(first, boundary) if (group.index, p) not in state.stored_windows
+            ]
+            if not todo:
+                continue
+            keys = self._keys(req, boundary)
+            hashes = req.block_hashes
+            stores.append(
+                _Store(
+                    req.request_id,
+                    [keys[p] for p in todo],
+                    [ids[p - first] for p in todo],
+                    [hashes[p] for p in todo] if self._events_enabled else [],
+                    group=group.index,
+                    fenced=True,
+                )
+            )
+            state.stored_windows.update((group.index, p) for p in todo)
+            state.had_store = True
+        return stores
+
+    def _state_stores(self, req_id: str, handoffs: list[tuple[int, int, int]]) -> list[_Store]:
+        """Stores of the Mamba states vLLM handed over this step: ``(group, block,
+        boundary tokens)``, each the state after the block before the boundary."""
+        state = self._reqs.get(req_id)
+        stores: list[_Store] = []
+        if state is None:
+            return stores
+        req = state.request
+        for group, block_id, boundary in handoffs:
+            pos = boundary // self.block_size - 1
+            if group not in self._mamba or block_id == 0 or boundary % self.block_size:
+                continue
+            if pos < 0 or pos >= len(req.block_hashes) or (group, pos) in state.stored_windows:
+                continue
+            key = self._keys(req, pos + 1)[pos]
+            hashes = [req.block_hashes[pos]] if self._events_enabled else []
+            stores.append(_Store(req_id, [key], [block_id], hashes, group=group, fenced=True))
+            state.stored_windows.add((group, pos))
+            state.had_store = True
+        return stores
+
     def request_finished(
-        self, request: Request, block_ids: list[int]
+        self, request: Request, block_ids: list[int] | tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
+        """The request is done; with HMA ``block_ids`` are its blocks per group. Its
+        sliding windows at its final boundary (a later turn of the conversation hits
+        there) are stored in the next step's metadata, from the blocks held meanwhile."""
         state = self._reqs.pop(request.request_id, None)
         self._preempted.discard(request.request_id)
+        self._failed_loads.discard(request.request_id)
         if state is not None and state.claimed:  # ended before its load: aborted
             self._books().release(request.request_id)
+        if state is not None and self._sliding and isinstance(block_ids, tuple):
+            state.block_ids = [list(ids) for ids in block_ids]
+            boundary = min(
+                request.num_computed_tokens // self.block_size,
+                len(request.block_hashes),
+                state.stored_blocks,
+            )
+            self._pending_stores.extend(self._window_stores(state, boundary))
         # Hold the blocks while stores from them may still be running; the worker
         # reports the id once they are done.
         return (state is not None and state.had_store), None
 
+    def hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
+        """vLLM's per-source split of a hit: tokens whose blocks the cpu tier held at
+        the first lookup are ``host``, the rest were prefetched from a lower tier
+        (``disk``: a disk or shared tier)."""
+        if num_external_tokens <= 0:
+            return {}
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        state = self._reqs.get(request.request_id)
+        start = state.local_tokens // self.block_size if state is not None else 0
+        resident = self._books().sources(request.request_id)
+        host = min(max(0, resident - start) * self.block_size, num_external_tokens)
+        split = {CacheHitSource.HOST: host, CacheHitSource.DISK: num_external_tokens - host}
+        return {source: n for source, n in split.items() if n}
+
+    def reset_cache(self) -> bool:
+        """Drop the cpu tier's unpinned blocks (persistent tiers keep theirs)."""
+        self._books().reset()
+        return True
+
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Collect the KV events the worker side sent with its step output.
+        """Collect the KV events the worker side sent with its step output, and the
+        requests whose asynchronous load failed (vLLM computes them instead: they are
+        not looked up again).
 
         Nothing else to do here: in this design the worker side's Offloader completes
         loads and stores itself (``start_load_kv`` waits for the step's loads,
@@ -216,6 +379,7 @@ class TieredOffloadScheduler:
         those requests in ``request_finished`` already."""
         # ``getattr``: a field vLLM may move (an open upstream change carries worker
         # events elsewhere); then no events arrive, and nothing breaks.
+        self._failed_loads.update(getattr(connector_output, "failed_recving", None) or ())
         events = getattr(connector_output, "kv_cache_events", None)
         if self._events_enabled and isinstance(events, TieredOffloadKVEvents):
             self._events.extend(events.aggregate().get_all_events())

@@ -22,12 +22,24 @@ from kvoffload.keys import BlockKey, namespaced
 from kvoffload.offloader import LoadPlan, Offloader
 
 from .events import _EventBook
+from .groups import Group
 from .metrics import COUNTERS, _snapshot
 
 if TYPE_CHECKING:
     from .books import _BooksServer
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _GroupPlan:
+    """One KV cache group's part of a claim or a load."""
+
+    group: int
+    plan: LoadPlan
+    first: int
+    """In a hold: the position of the plan's first block in the request. In a planned
+    load: its offset in the load's positions (a windowed group loads the tail)."""
 
 
 @dataclass
@@ -39,10 +51,17 @@ class _Shared:
     namespace: bytes
     """This rank's layout fingerprint: every key the scheduler side sends is namespaced
     with it here, so each rank keeps (and finds) its own shard of a block."""
-    plans: dict[int, LoadPlan] = field(default_factory=dict)
-    """Loads planned by the scheduler side, by its plan id, until ``start_load_kv``."""
-    holds: dict[str, LoadPlan] = field(default_factory=dict)
-    """Decided claims, by request id: pinned until planned or released."""
+    groups: list[Group] = field(default_factory=lambda: [Group(0, "full", None, b"", ())])
+    """The engine's KV cache groups (:mod:`.groups`)."""
+    plans: dict[int, list[_GroupPlan]] = field(default_factory=dict)
+    """Loads planned by the scheduler side, by its plan id, until ``start_load_kv``:
+    one plan per KV cache group."""
+    holds: dict[str, dict[int, _GroupPlan]] = field(default_factory=dict)
+    """Decided claims, by request id and group: pinned until planned or released."""
+    resident: dict[str, int] = field(default_factory=dict)
+    """Per request waiting for its load: the blocks of its hit the cpu tier held when
+    it was first looked up (the rest came from lower tiers), for vLLM's per-source hit
+    counts."""
     counters: dict[str, int | float] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
     server: _BooksServer | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -54,9 +73,11 @@ class _Shared:
     stats) read them. ``events`` is not guarded: only the worker's thread uses it. The
     Offloader guards its own state (its books' lock)."""
 
-    def ns(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
-        """vLLM's block keys as this rank's tiers hold them."""
-        return [namespaced(k, self.namespace) for k in keys]
+    def ns(self, keys: Sequence[BlockKey], group: int = 0) -> list[BlockKey]:
+        """vLLM's block keys of KV cache group ``group`` as this rank's tiers hold
+        them."""
+        space = self.namespace + self.groups[group].tag
+        return [namespaced(k, space) for k in keys]
 
     def bump(self, name: str, n: float = 1) -> None:
         with self.lock:
@@ -74,24 +95,66 @@ class _Shared:
     def lookup(self, req_id: str, keys: list[BlockKey]) -> int | None:
         """The verified hit of ``req_id`` (pinned for it), or ``None`` while its
         blocks are being prefetched. A new lookup of the same request replaces its
-        earlier hold (vLLM asks again when it could not allocate)."""
+        earlier hold (vLLM asks again when it could not allocate).
+
+        With several KV cache groups the hit is the longest prefix every group can
+        serve: a full-attention group's whole prefix, a windowed group's (sliding
+        window, Mamba state) blocks right before the boundary."""
         self.bump("lookups")
         self._unhold(req_id)
-        plan = self.offloader.claim(req_id, self.ns(keys))
-        if plan is None:
-            return None
-        if plan.hits:
-            # Swapped in one step: a lookup of the same request that ran alongside this
-            # one (two schedulers sharing these books, both sent one id) held its own
-            # plan meanwhile; that one is unpinned here, not leaked.
+        off = self.offloader
+        if req_id not in self.resident:
+            resident = off.resident(self.ns(keys, self.groups[0].index))
             with self.lock:
-                earlier = self.holds.get(req_id)
-                self.holds[req_id] = plan
-            if earlier is not None:
-                self.offloader.unclaim(earlier)
-        else:
-            self.offloader.unclaim(plan)
-        return plan.hits
+                self.resident[req_id] = resident
+        held: dict[int, _GroupPlan] = {}
+        pending = False
+        hit = len(keys)
+        for group in self.groups:
+            if group.window is None:
+                plan = off.claim((req_id, group.index), self.ns(keys, group.index))
+                if plan is None:
+                    pending = True
+                else:
+                    held[group.index] = _GroupPlan(group.index, plan, 0)
+                    hit = min(hit, plan.hits)
+        windowed = [g for g in self.groups if g.window is not None]
+        if windowed and not pending:
+            hit = self._window_boundary(keys, hit, windowed)
+            for group in windowed:
+                assert group.window is not None
+                first = max(0, hit - group.window)
+                plan = off.claim((req_id, group.index), self.ns(keys[first:hit], group.index))
+                if plan is None:
+                    pending = True
+                    continue
+                held[group.index] = _GroupPlan(group.index, plan, first)
+                if plan.hits < hit - first:  # lost meanwhile: no hit this time
+                    hit = 0
+        if pending or hit == 0:
+            for group_plan in held.values():
+                off.unclaim(group_plan.plan)
+            return None if pending else 0
+        # Swapped in one step: a lookup of the same request that ran alongside this
+        # one (two schedulers sharing these books, both sent one id) held its own
+        # plans meanwhile; those are unpinned here, not leaked.
+        with self.lock:
+            earlier = self.holds.get(req_id, {})
+            self.holds[req_id] = held
+        for group_plan in earlier.values():
+            off.unclaim(group_plan.plan)
+        return hit
+
+    def _window_boundary(self, keys: list[BlockKey], hit: int, windowed: list[Group]) -> int:
+        """The largest boundary up to ``hit`` where every windowed group holds its
+        window of blocks (0 if none)."""
+        held = {g.index: self.offloader.held(self.ns(keys[:hit], g.index)) for g in windowed}
+        for boundary in range(hit, 0, -1):
+            if all(
+                all(held[g.index][max(0, boundary - (g.window or 0)) : boundary]) for g in windowed
+            ):
+                return boundary
+        return 0
 
     def plan(self, plan_id: int, req_id: str, start: int, n: int) -> int:
         """Turn ``req_id``'s hold into the load of its blocks ``[start, start + n)``
@@ -99,27 +162,45 @@ class _Shared:
         which the scheduler never causes)."""
         with self.lock:
             hold = self.holds.pop(req_id, None)
+        plans: list[_GroupPlan] = []
         if hold is None:
             logger.warning("kvoffload: no claim held for request %s; loading nothing", req_id)
-            plan = LoadPlan([], [], 0)
         else:
-            plan = self.offloader.narrow(hold, start, start + n)
+            stop = start + n
+            for group_plan in hold.values():
+                first = max(start, group_plan.first)
+                narrowed = self.offloader.narrow(
+                    group_plan.plan, first - group_plan.first, stop - group_plan.first
+                )
+                plans.append(_GroupPlan(group_plan.group, narrowed, first - start))
         with self.lock:
-            self.plans[plan_id] = plan
-            self.counters["blocks_planned"] += plan.hits
-        return plan.hits
+            self.plans[plan_id] = plans
+            self.counters["blocks_planned"] += sum(p.plan.hits for p in plans)
+        return n if plans else 0
+
+    def sources(self, req_id: str) -> int:
+        """The blocks of ``req_id``'s hit the cpu tier held at its first lookup."""
+        with self.lock:
+            return self.resident.pop(req_id, 0)
+
+    def reset(self) -> int:
+        """Drop every unpinned block of the first tier; how many."""
+        return self.offloader.clear_first_tier()
 
     def release(self, req_id: str) -> int:
-        """Forget ``req_id``'s claim: unpin its hold, cancel its prefetches."""
+        """Forget ``req_id``'s claim: unpin its holds, cancel its prefetches."""
+        with self.lock:
+            self.resident.pop(req_id, None)
         self._unhold(req_id)
-        self.offloader.release(req_id)
+        for group in self.groups:
+            self.offloader.release((req_id, group.index))
         return 0
 
     def _unhold(self, req_id: str) -> None:
         with self.lock:
             hold = self.holds.pop(req_id, None)
-        if hold is not None:
-            self.offloader.unclaim(hold)
+        for group_plan in (hold or {}).values():
+            self.offloader.unclaim(group_plan.plan)
 
     def answer(self, op: str, arg: Any) -> int | None:
         """One question from the scheduler side, by name."""
@@ -129,6 +210,10 @@ class _Shared:
             return self.plan(*arg)
         if op == "release":
             return self.release(arg)
+        if op == "sources":
+            return self.sources(arg)
+        if op == "reset":
+            return self.reset()
         raise ValueError(f"kvoffload books: unknown question {op!r}")
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,12 +31,22 @@ from kvoffload.offloader import Offloader
 
 from .affinity import _rank_affinity
 from .books import _BooksServer
+from .config import hybrid_layout
 from .events import MAX_EVENT_HASHES, TieredOffloadKVEvents, _EventBook
+from .groups import Group, describe, pool_from_vllm
 from .metrics import TieredOffloadStats, _snapshot
 from .scheduler import TieredOffloadMetadata, _Load
-from .shared import _REGISTRY, _REGISTRY_LOCK, _Shared
+from .shared import _REGISTRY, _REGISTRY_LOCK, _GroupPlan, _Shared
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One load job: a group's part of a planned load, into ``targets``."""
+
+    load: _Load
+    targets: list[int]
 
 
 class TieredOffloadWorker:
@@ -53,9 +64,18 @@ class TieredOffloadWorker:
         block_size: int,
         events: bool,
         layerwise: bool = False,
+        groups: list[Group] | None = None,
+        replicated: bool = False,
     ) -> None:
         self.config = config
-        self.layerwise = layerwise
+        self.groups = groups or [Group(0, "full", None, b"", ())]
+        self.replicated = replicated
+        """The KV cache is the same on every rank (MLA under tensor parallelism):
+        rank 0 alone keeps tiers and loads, and sends what it loaded to the others."""
+        # Layer-wise loads wait per layer on each rank; a replicated cache arrives
+        # from rank 0 whole, and several groups' loads are vLLM's asynchronous loads,
+        # done before the request runs.
+        self.layerwise = layerwise and not replicated and len(self.groups) == 1
         self.layout = layout
         self.engine_id = engine_id
         self.rank = rank
@@ -77,11 +97,21 @@ class TieredOffloadWorker:
         self._layer_index: dict[str, int] = {}
         self._num_layers = 0
         self._device: torch.device | None = None
+        self._pool: BlockPool | None = None
+        # Fenced stores' gates: their blocks may be reused once this step is over, so
+        # the next step waits for them to be read before it touches the KV cache.
+        self._fences: list[StoreGate] = []
         # Layer-wise loads submitted by start_load_kv and not yet collected, by job id.
-        self._layer_loads: dict[int, tuple[_Load, LayerProgress]] = {}
+        self._layer_loads: dict[int, tuple[_Job, LayerProgress]] = {}
         # Every load job not yet collected: its gate (to abandon it when late), and the
         # step's deadline (time.monotonic) for its loads.
         self._gates: dict[int, LoadGate] = {}
+        self._jobs: dict[int, _Job] = {}
+        self._loaded_now: list[int] = []
+        # Asynchronous (whole) loads done, and those that failed, not yet reported.
+        self._recv_done: set[str] = set()
+        self._recv_failed: set[str] = set()
+        """Blocks loaded this step (replicated caches: what rank 0 sends)."""
         self._load_timeout = config.load_timeout_ms / 1e3
         self._deadline = 0.0
 
@@ -100,62 +130,153 @@ class TieredOffloadWorker:
         return shared
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        layout = self.layout
         with _rank_affinity(self.ranks):
-            pool = BlockPool(list(kv_caches.values()))
-            offloader = Offloader(self.config, self.layout, pool, events=self._events_enabled)
-        # The pool's layers are the dict's values in order: an attention layer's name
-        # (wait_for_layer_load) is its key.
-        self._layer_index = {name: i for i, name in enumerate(kv_caches)}
-        self._num_layers = pool.num_layers
-        self._device = pool.device
+            if len(self.groups) > 1:
+                pool, self._layer_index = pool_from_vllm(kv_caches)
+                layout = hybrid_layout(
+                    self.layout, pool.num_layers, pool.layer_bytes[0], describe(self.groups)
+                )
+            else:
+                pool = BlockPool(list(kv_caches.values()))
+                # The pool's layers are the dict's values in order: an attention
+                # layer's name (wait_for_layer_load) is its key.
+                self._layer_index = {name: i for i, name in enumerate(kv_caches)}
+            self._pool = pool
+            self._num_layers = pool.num_layers
+            self._device = pool.device
+            if self.replicated and self.rank > 0:
+                logger.info(
+                    "kvoffload: rank %d keeps no tiers: its KV cache is rank 0's, and "
+                    "rank 0 sends what it loads",
+                    self.rank,
+                )
+                return
+            offloader = Offloader(self.config, layout, pool, events=self._events_enabled)
         held = sum(t.capacity_blocks for t in offloader.stats)
         book = _EventBook(enabled=self._events_enabled, cap=min(held, MAX_EVENT_HASHES))
-        shared = _Shared(offloader, book, self.layout.fingerprint)
+        shared = _Shared(offloader, book, layout.fingerprint, groups=self.groups)
         shared.server = _BooksServer(shared, self.engine_id, self.rank)
         with _REGISTRY_LOCK:
             _REGISTRY[self._slot] = shared
         logger.info(
-            "kvoffload: %d tier(s) (%s) for %d GPU blocks of %d bytes",
+            "kvoffload: %d tier(s) (%s) for %d GPU blocks of %d bytes, %d KV cache group(s)",
             len(offloader.tiers),
             ", ".join(t.name for t in offloader.tiers),
             pool.num_blocks,
             pool.bytes_per_block,
+            len(self.groups),
         )
+
+    def _wait_fences(self) -> None:
+        """Wait until the fenced stores of the previous step have read their blocks
+        (up to ``store_timeout_ms`` for one not begun: abandoned then)."""
+        fences, self._fences = self._fences, []
+        for gate in fences:
+            if not gate.released():
+                gate.wait(max(0.0, gate.since + self._store_timeout - time.monotonic()))
 
     def start_load_kv(self, meta: KVConnectorMetadata) -> None:
         """Load the step's planned blocks into the engine's, and wait for them; with
         layer-wise loads, submit them and return (see :meth:`wait_for_layer_load`)."""
         assert isinstance(meta, TieredOffloadMetadata)
+        self._wait_fences()
+        if self.replicated and self.rank > 0:
+            if meta.loads:
+                self._receive_loads()
+            return
         if self._layer_loads:  # a step whose loads were never collected: finish them
             self._finish_layer_loads(self._shared())
         if not meta.loads:
             return
         shared = self._shared()
-        off = shared.offloader
-        jobs: dict[int, _Load] = {}
+        jobs: dict[int, _Job] = {}
         self._deadline = time.monotonic() + self._load_timeout
         for load in meta.loads:
             with shared.lock:
-                plan = shared.plans.pop(load.plan_id)
-            if load.hashes:  # promotions into the first tier are stores too
-                shared.events.remember(plan.keys, load.hashes[: plan.hits])
-            layers = LayerProgress(self._num_layers) if self.layerwise else None
-            gate = LoadGate()
-            job = off.submit_load(plan, load.block_ids[: plan.hits], layers=layers, gate=gate)
-            if job is None:
-                self._load_errors.update(load.block_ids)
-                continue
-            # Claimed blocks are pinned, so a plan is never short; were it, the rest
-            # would be load errors too.
-            self._load_errors.update(load.block_ids[plan.hits :])
-            jobs[job] = load
-            self._gates[job] = gate
-            if layers is not None:
-                self._layer_loads[job] = (load, layers)
+                group_plans = shared.plans.pop(load.plan_id)
+            for group_plan in group_plans:
+                job_id = self._submit(shared, load, group_plan)
+                if job_id is not None:
+                    jobs[job_id] = self._jobs[job_id]
         if not self.layerwise:
             self._book_loads(shared, self._wait_loads(shared, jobs), jobs, layerwise=False)
+            self._settle_whole_loads(shared, meta.loads)
+        if self.replicated:
+            self._send_loads()
 
-    def _wait_loads(self, shared: _Shared, jobs: dict[int, _Load]) -> list[Any]:
+    def _settle_whole_loads(self, shared: _Shared, loads: list[_Load]) -> None:
+        """Asynchronous loads succeed or fail whole: a request with any block not
+        loaded is a failed receive (vLLM recomputes or fails it, by its policy), and
+        its blocks are no block-level load errors (counted in ``load_errors`` here)."""
+        for load in loads:
+            if not load.whole:
+                continue
+            ids = {b for targets in load.block_ids for b in targets}
+            failed = ids & self._load_errors
+            if failed:
+                self._load_errors -= ids
+                self._recv_failed.add(load.req_id)
+                shared.bump("load_errors", len(failed))
+            self._recv_done.add(load.req_id)
+
+    def _submit(self, shared: _Shared, load: _Load, group_plan: _GroupPlan) -> int | None:
+        """Submit one group's part of a load; its job id, ``None`` if refused."""
+        plan, offset = group_plan.plan, group_plan.first
+        ids = load.block_ids[group_plan.group][offset:]
+        targets = ids[: plan.hits]
+        if load.hashes:  # promotions into the first tier are stores too
+            shared.events.remember(plan.keys, load.hashes[offset : offset + plan.hits])
+        layers = LayerProgress(self._num_layers) if self.layerwise else None
+        gate = LoadGate()
+        job = shared.offloader.submit_load(plan, targets, layers=layers, gate=gate)
+        if job is None:
+            self._load_errors.update(ids)
+            return None
+        # Claimed blocks are pinned, so a plan is never short; were it, the rest
+        # would be load errors too.
+        self._load_errors.update(ids[plan.hits :])
+        self._jobs[job] = _Job(load, targets)
+        self._gates[job] = gate
+        if layers is not None:
+            self._layer_loads[job] = (self._jobs[job], layers)
+        return job
+
+    def _send_loads(self) -> None:
+        """Rank 0 of a replicated cache: send the blocks this step loaded to the other
+        ranks, which take them in :meth:`_receive_loads`: their count, their ids,
+        their bytes (a step with loads on one rank has them on every rank: the
+        metadata is the same)."""
+        assert self._pool is not None
+        from vllm.distributed.parallel_state import get_tp_group
+
+        ids, self._loaded_now = self._loaded_now, []
+        group = get_tp_group()
+        device = self._pool.device
+        group.broadcast(torch.tensor([len(ids)], dtype=torch.int64, device=device), 0)
+        if ids:
+            group.broadcast(torch.tensor(ids, dtype=torch.int64, device=device), 0)
+            group.broadcast(self._pool.gather(ids).to(device), 0)
+
+    def _receive_loads(self) -> None:
+        """A rank > 0 of a replicated cache: take the blocks rank 0 loaded this step
+        (rank 0 reports those it could not load: vLLM recomputes them everywhere)."""
+        assert self._pool is not None
+        from vllm.distributed.parallel_state import get_tp_group
+
+        group = get_tp_group()
+        device = self._pool.device
+        count = torch.zeros(1, dtype=torch.int64, device=device)
+        group.broadcast(count, 0)
+        n = int(count.item())
+        if n:
+            ids = torch.empty(n, dtype=torch.int64, device=device)
+            group.broadcast(ids, 0)
+            data = torch.empty((n, self._pool.bytes_per_block), dtype=torch.uint8, device=device)
+            group.broadcast(data, 0)
+            self._pool.scatter(ids.tolist(), data)
+
+    def _wait_loads(self, shared: _Shared, jobs: dict[int, _Job]) -> list[Any]:
         """Wait for the step's load jobs until the step's deadline (``load_timeout_ms``
         after they were submitted); abandon those still reading by then: their blocks
         become load errors, recomputed by vLLM. A job whose copy into the KV cache has
@@ -164,24 +285,24 @@ class TieredOffloadWorker:
         off = shared.offloader
         results = off.wait(list(jobs), max(0.0, self._deadline - time.monotonic()))
         done = {r.job_id for r in results}
-        for job, load in jobs.items():
-            gate = self._gates.pop(job)
-            if job in done:
+        for job_id, job in jobs.items():
+            gate = self._gates.pop(job_id)
+            if job_id in done:
                 continue
             if gate.abandon():
-                self._abandoned(shared, load)
+                self._abandoned(shared, job)
             else:
-                results.extend(off.wait([job]))
+                results.extend(off.wait([job_id]))
         return list(results)
 
-    def _abandoned(self, shared: _Shared, load: _Load) -> None:
-        self._load_errors.update(load.block_ids)
-        shared.bump("load_timeouts", len(load.block_ids))
+    def _abandoned(self, shared: _Shared, job: _Job) -> None:
+        self._load_errors.update(job.targets)
+        shared.bump("load_timeouts", len(job.targets))
         logger.warning(
             "kvoffload: load of %d blocks for request %s not done after %.1f s "
             "(load_timeout_ms); recomputing them",
-            len(load.block_ids),
-            load.req_id,
+            len(job.targets),
+            job.load.req_id,
             self._load_timeout,
         )
 
@@ -197,12 +318,13 @@ class TieredOffloadWorker:
             stream = torch.cuda.current_stream(self._device)
         t0 = time.perf_counter()
         shared = self._shared()
-        for job, (load, progress) in list(self._layer_loads.items()):
+        for job_id, (job, progress) in list(self._layer_loads.items()):
             if progress.wait(layer, stream, max(0.0, self._deadline - time.monotonic())):
                 continue
-            if self._gates[job].abandon():  # late, and nothing copied: recompute it
-                del self._layer_loads[job], self._gates[job]
-                self._abandoned(shared, load)
+            if self._gates[job_id].abandon():  # late, and nothing copied: recompute it
+                del self._layer_loads[job_id], self._gates[job_id]
+                self._jobs.pop(job_id, None)
+                self._abandoned(shared, job)
             else:
                 progress.wait(layer, stream)  # its copy has begun: bounded
         shared.bump("layer_wait_seconds", time.perf_counter() - t0)
@@ -214,45 +336,67 @@ class TieredOffloadWorker:
         still finishes them here)."""
         if not self._layer_loads:
             return
-        jobs = {job: load for job, (load, _) in self._layer_loads.items()}
+        jobs = {job_id: job for job_id, (job, _) in self._layer_loads.items()}
         self._layer_loads = {}
         self._book_loads(shared, self._wait_loads(shared, jobs), jobs, layerwise=True)
 
     def _book_loads(
-        self, shared: _Shared, results: list[Any], jobs: dict[int, _Load], *, layerwise: bool
+        self, shared: _Shared, results: list[Any], jobs: dict[int, _Job], *, layerwise: bool
     ) -> None:
         """Count finished load jobs; the blocks they did not load are load errors."""
         bpb = shared.offloader.bpb
+        for job_id in jobs:
+            self._jobs.pop(job_id, None)
         for result in results:
-            load = jobs[result.job_id]
+            job = jobs[result.job_id]
             loaded = result.nbytes // bpb if result.success else 0
-            self._load_errors.update(load.block_ids[loaded:])
+            self._load_errors.update(job.targets[loaded:])
+            if self.replicated:
+                self._loaded_now.extend(job.targets[:loaded])
             # One transaction: a stats reader in another thread sees them in step.
             shared.bump_many(
                 blocks_loaded=loaded,
                 tokens_loaded=loaded * self.block_size,
                 blocks_loaded_layerwise=loaded if layerwise else 0,
-                blocks_loaded_after_preemption=loaded if load.resumed else 0,
+                blocks_loaded_after_preemption=loaded if job.load.resumed else 0,
             )
 
     def wait_for_save(self, meta: KVConnectorMetadata) -> None:
-        """Submit the stores of the blocks that became full this step; returns at once."""
+        """Submit the stores of the blocks that became full this step; returns at once
+        (a fenced store's read is waited for at the next step's start)."""
         assert isinstance(meta, TieredOffloadMetadata)
+        if self.replicated and self.rank > 0:
+            # Rank 0 stores the cache every rank holds; this one only says when the
+            # request's blocks are free (at once).
+            self._ever_stored.update(store.req_id for store in meta.stores)
+            return
         shared = self._shared()
         off = shared.offloader
         self._finish_layer_loads(shared)
+        # One job per request: its groups' blocks are one pool's blocks under their
+        # own keys, and a step's jobs count against the tier's pending-store bound.
+        jobs: dict[str, tuple[list[Any], list[int], bool]] = {}
         for store in meta.stores:
             shared.bump("blocks_submitted_for_store", len(store.keys))
             self._ever_stored.add(store.req_id)
-            keys = shared.ns(store.keys)
+            keys = shared.ns(store.keys, store.group)
             if store.hashes:
                 shared.events.remember(keys, store.hashes)
+            job_keys, job_ids, fenced = jobs.get(store.req_id, ([], [], False))
+            jobs[store.req_id] = (
+                job_keys + keys,
+                job_ids + store.block_ids,
+                fenced or store.fenced,
+            )
+        for req_id, (keys, block_ids, fenced) in jobs.items():
             gate = StoreGate()
-            job = off.submit_store(keys, store.block_ids, gate=gate)
+            job = off.submit_store(keys, block_ids, gate=gate)
             if job is not None:
-                self._store_jobs[job] = store.req_id
-                self._store_gates[job] = (store.req_id, len(keys), gate)
-                self._stores_left[store.req_id] = self._stores_left.get(store.req_id, 0) + 1
+                self._store_jobs[job] = req_id
+                self._store_gates[job] = (req_id, len(keys), gate)
+                self._stores_left[req_id] = self._stores_left.get(req_id, 0) + 1
+                if fenced:
+                    self._fences.append(gate)
 
     def handle_preemptions(self) -> None:
         """A preempted request's blocks are about to be reused: wait until the stores
@@ -303,7 +447,17 @@ class TieredOffloadWorker:
         done = {r for r in self._finished_waiting if self._stores_left.get(r, 0) == 0}
         self._finished_waiting -= done
         self._ever_stored -= done
-        return (done or None), None
+        received, self._recv_done = self._recv_done, set()
+        return (done or None), (received or None)
+
+    def get_transfer_results(
+        self, finished_req_ids: set[str]
+    ) -> tuple[set[str], set[str], set[str]]:
+        """:meth:`get_finished`, and the asynchronous loads that failed (also among the
+        finished receives, as vLLM wants them)."""
+        sending, received = self.get_finished(finished_req_ids)
+        failed, self._recv_failed = self._recv_failed, set()
+        return set(sending or ()), set(received or ()), failed
 
     def _collect(self, shared: _Shared, results: list[Any]) -> None:
         """Book finished store jobs: the tokens they wrote. (A finished job's gate is

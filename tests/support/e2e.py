@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from support.checkout import SUPPORT
-from support.engine_run import write_tiny_llama
+from support.engine_run import write_tiny_llama, write_tiny_model
 
 ENGINE_RUN: Final = SUPPORT / "engine_run.py"
 SABOTAGE: Final = os.environ.get("E2E_FAIL_EVERY_LOAD", "") == "1"
@@ -69,10 +69,14 @@ def engine_env(single_process: bool) -> dict[str, str]:
 
 
 def make_spec(tmp: Path, **spec: Any) -> dict[str, Any]:
-    """A spec for ``engine_run.py``: the tiny Llama written under ``tmp``, 8 new
-    tokens, no rounds, and room for other engines in memory (``engine`` settings are
-    added to those)."""
-    model = write_tiny_llama(tmp / "model")
+    """A spec for ``engine_run.py``: the tiny Llama written under ``tmp`` (or the tiny
+    model of ``family``, see ``engine_run.FAMILIES``), 8 new tokens, no rounds, and
+    room for other engines in memory (``engine`` settings are added to those)."""
+    family = spec.pop("family", "llama")
+    if family == "llama":
+        model = write_tiny_llama(tmp / "model")
+    else:
+        model = write_tiny_model(tmp / f"model-{family}", family)
     full = {"model": str(model), "max_tokens": MAX_TOKENS, "rounds": [], **spec}
     full["engine"] = {"gpu_memory_utilization": 0.2, **spec.get("engine", {})}
     if SABOTAGE:

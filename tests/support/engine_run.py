@@ -78,6 +78,126 @@ TINY_LLAMA: dict[str, Any] = {
 }
 
 
+TINY_GEMMA3: dict[str, Any] = {
+    # Sliding-window and full attention layers alternating: two KV cache groups under
+    # vLLM's hybrid manager, a 64-token window (2 blocks of 32).
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 64,
+    "query_pre_attn_scalar": 64,
+    "sliding_window": 64,
+    "layer_types": ["sliding_attention", "full_attention"] * 2,
+    "vocab_size": 1024,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "rope_parameters": {
+        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    },
+    "torch_dtype": "bfloat16",
+    "tie_word_embeddings": True,
+    "pad_token_id": 0,
+    "eos_token_id": 1,
+    "bos_token_id": 2,
+}
+
+TINY_DEEPSEEK_V2: dict[str, Any] = {
+    # MLA: a latent of kv_lora_rank 512 + qk_rope_head_dim 64 = 576 per token, the only
+    # size vLLM's CPU MLA kernel takes (it also forces block_size 16).
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "model_type": "deepseek_v2",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 512,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 64,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 64,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "topk_method": "greedy",
+    "n_group": 1,
+    "topk_group": 1,
+    "norm_topk_prob": False,
+    "routed_scaling_factor": 1.0,
+    "scoring_func": "softmax",
+    "vocab_size": 1024,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+TINY_GRANITE4: dict[str, Any] = {
+    # Mamba2 and attention layers: two Mamba-state groups and one full-attention group.
+    # The Mamba state is kept small so that the attention block stays at 32 tokens.
+    "architectures": ["GraniteMoeHybridForCausalLM"],
+    "model_type": "granitemoehybrid",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "shared_intermediate_size": 256,
+    "num_local_experts": 0,
+    "num_experts_per_tok": 0,
+    "num_hidden_layers": 6,
+    "layer_types": ["linear_attention", "linear_attention", "full_attention"] * 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "position_embedding_type": "nope",
+    "mamba_n_heads": 4,
+    "mamba_n_groups": 1,
+    "mamba_d_state": 16,
+    "mamba_d_head": 32,
+    "mamba_d_conv": 4,
+    "mamba_expand": 1,
+    "mamba_chunk_size": 256,
+    "mamba_conv_bias": True,
+    "mamba_proj_bias": False,
+    "vocab_size": 1024,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-05,
+    "embedding_multiplier": 12.0,
+    "logits_scaling": 4.0,
+    "residual_multiplier": 0.22,
+    "attention_multiplier": 0.0078125,
+    "torch_dtype": "bfloat16",
+    "tie_word_embeddings": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": TINY_LLAMA,
+    "gemma3": TINY_GEMMA3,
+    "deepseek_v2": TINY_DEEPSEEK_V2,
+    "granite4": TINY_GRANITE4,
+}
+"""The tiny dummy-weight models of each family the end-to-end tests serve."""
+
+
+def write_tiny_model(directory: Path, family: str) -> Path:
+    """A model directory of ``family`` (:data:`FAMILIES`): config only."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(FAMILIES[family]))
+    return directory
+
+
 def write_tiny_llama(directory: Path, **overrides: Any) -> Path:
     """A model directory vLLM can load with ``load_format="dummy"``: config only."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -221,6 +341,9 @@ def run_engine(spec: dict[str, Any], index: int) -> dict[str, Any]:
         if spec.get("failure_policy") is not None:
             transfer["kv_load_failure_policy"] = spec["failure_policy"]
         kwargs["kv_transfer_config"] = KVTransferConfig(**transfer)
+        # Stats on: in multi-process mode the connector's counters reach this process
+        # only as vLLM's Prometheus metrics.
+        kwargs.setdefault("disable_log_stats", False)
     result: dict[str, Any] = {
         "index": index,
         "rounds": [],
@@ -255,6 +378,8 @@ def run_engine(spec: dict[str, Any], index: int) -> dict[str, Any]:
         result["kvoffload"], result["health"] = (
             _connector_state(engine_id) if spec.get("kvoffload") is not None else ({}, None)
         )
+        if spec.get("kvoffload") is not None:
+            result["prometheus"] = _prometheus(llm)
     except Exception:
         result["error"] = traceback.format_exc()
     finally:
@@ -265,10 +390,24 @@ def run_engine(spec: dict[str, Any], index: int) -> dict[str, Any]:
         gc.collect()
         result["shutdown_seconds"] = time.monotonic() - t1
     if worker_side is not None:
-        result["kvoffload_at_idle"] = result["kvoffload"]
+        result["kvoffload_at_idle"] = result.get("kvoffload", {})
         result["kvoffload"] = _final_counters(worker_side)
     result["seconds"] = time.monotonic() - t0
     return result
+
+
+def _prometheus(llm: Any) -> dict[str, float]:
+    """The connector's ``vllm:kvoffload_*`` counters as this engine's front end has
+    them (summed over ranks and tiers): ``blocks_loaded``, ``load_errors``,
+    ``tier_bytes_written``... (name without prefix and ``_total``)."""
+    out: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        name = getattr(metric, "name", "")
+        value = getattr(metric, "value", None)
+        if name.startswith("vllm:kvoffload_") and isinstance(value, int | float):
+            key = name.removeprefix("vllm:kvoffload_").removesuffix("_total")
+            out[key] = out.get(key, 0) + value
+    return out
 
 
 def _worker_side(engine_id: str | None) -> Any:

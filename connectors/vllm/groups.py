@@ -1,0 +1,155 @@
+"""vLLM's KV cache groups as kvoffload sees them: what each group needs for a hit,
+the key namespace of its blocks, and one block pool over all of them.
+
+vLLM's hybrid KV cache manager splits a model's layers into groups by kind (full
+attention, sliding window, Mamba state), each with its own block table, all drawing
+block ids from one pool of pages: block ``b`` belongs to one group at a time, and the
+groups' layers overlay each other in one allocation (layer ``l`` of every group at the
+same address). kvoffload's unit stays one block of one group across that group's
+layers. Since the groups overlay, that is one block of the pool over the distinct
+layer addresses (:func:`pool_from_vllm`), whatever group holds it: tiers, records and
+checksums never learn what kind of group a block belongs to. Only the key says it
+(:attr:`Group.tag`), and the scheduler side decides which blocks of a group to keep:
+
+- **full attention** (MLA included): every block of the prefix (``window`` None);
+- **sliding window**: the ``window`` blocks before a hit boundary, the only ones the
+  layer reads past it; the rest vLLM itself frees;
+- **Mamba state** (``"align"`` mode): the state at a block boundary, one block
+  (``window`` 1), handed over by vLLM's scheduler as it is computed.
+
+Kept apart from :mod:`.config`, which reads the engine's settings, because this reads
+the KV cache vLLM allocated (``KVCacheConfig``) and its tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvoffload.blockpool import BlockPool
+from kvoffload.exceptions import ConfigError
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+FULL = "full"
+SLIDING = "sliding"
+MAMBA = "mamba"
+
+
+@dataclass(frozen=True)
+class Group:
+    """One KV cache group of the engine."""
+
+    index: int
+    kind: str
+    """:data:`FULL`, :data:`SLIDING` or :data:`MAMBA`."""
+    window: int | None
+    """Blocks right before a hit boundary that a hit needs from this group (``None``:
+    every block of the prefix)."""
+    tag: bytes
+    """Added to the layout fingerprint in this group's keys (empty for the only group
+    of a model with one, so that its keys are what they were before groups)."""
+    layers: tuple[str, ...]
+    block_size: int = 0
+    """Tokens per block of this group (0: the engine's)."""
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _kind(spec: Any, block_size: int) -> tuple[str, int | None, str]:
+    """The group kind, window in blocks and a description for the fingerprint of a
+    vLLM ``KVCacheSpec``; ``ConfigError`` for kinds kvoffload cannot keep."""
+    name = type(spec).__name__
+    window = getattr(spec, "sliding_window", None)
+    if name == "MambaSpec" or (hasattr(spec, "shapes") and hasattr(spec, "mamba_cache_mode")):
+        mode = getattr(spec, "mamba_cache_mode", "none")
+        desc = f"mamba:{mode}:{spec.shapes}:{[str(d) for d in spec.dtypes]}"
+        return MAMBA, 1, desc
+    if window is not None:
+        extra = int(getattr(spec, "extra_retained_tokens", 0) or 0)
+        blocks = max(_cdiv(window, block_size), _cdiv(window - 1 + extra, block_size))
+        return SLIDING, blocks, f"sliding:{window}:{extra}:{spec.head_size}:{spec.dtype}"
+    if hasattr(spec, "num_kv_heads") and hasattr(spec, "head_size"):
+        chunk = getattr(spec, "attention_chunk_size", None)
+        if chunk is not None:
+            blocks = _cdiv(chunk, block_size)
+            return SLIDING, blocks, f"chunked:{chunk}:{spec.head_size}:{spec.dtype}"
+        return FULL, None, f"{name}:{spec.num_kv_heads}x{spec.head_size}:{spec.dtype}"
+    raise ConfigError(
+        f"KV cache group of kind {name} is not supported by kvoffload; supported: full "
+        "attention, MLA, sliding window, chunked local attention and Mamba state"
+    )
+
+
+def groups_from_vllm(kv_cache_config: KVCacheConfig | None, block_size: int) -> list[Group]:
+    """The engine's KV cache groups; one full-attention group when vLLM gave no
+    ``KVCacheConfig``. A group whose blocks are not the engine's (a Mamba group with
+    vLLM's prefix caching off holds one block per request) keeps its own
+    ``block_size``: the connector then has nothing to key (see the connector's
+    ``inert``)."""
+    if kv_cache_config is None or not kv_cache_config.kv_cache_groups:
+        return [Group(0, FULL, None, b"", ())]
+    specs = kv_cache_config.kv_cache_groups
+    groups = []
+    for i, group in enumerate(specs):
+        spec = group.kv_cache_spec
+        kind, window, desc = _kind(spec, block_size)
+        tag = b"" if len(specs) == 1 else f"|group{i}:{desc}".encode()
+        groups.append(Group(i, kind, window, tag, tuple(group.layer_names), spec.block_size))
+    return groups
+
+
+def describe(groups: list[Group]) -> str:
+    """The groups for a layout's namespace: a cache written under one model's groups
+    is never read under another's."""
+    return ",".join(g.tag.decode().removeprefix("|") for g in groups)
+
+
+def pool_from_vllm(kv_caches: dict[str, torch.Tensor]) -> tuple[BlockPool, dict[str, int]]:
+    """One block pool over the engine's KV cache, and each layer's index in it.
+
+    Layers whose tensors start at the same address (one layer of each group, under
+    vLLM's hybrid manager) are one pool layer: a row of the page's bytes per block,
+    read whole (a Mamba group's padding included), so block ``b`` of the pool is
+    block ``b`` of whichever group holds it, across that group's layers."""
+    rows: dict[int, torch.Tensor] = {}
+    index: dict[str, int] = {}
+    for name, tensor in kv_caches.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise ConfigError(
+                f"KV cache layer {name}: a {type(tensor).__name__}, not a tensor; "
+                "this vLLM build keeps a layer's cache in a form kvoffload cannot read"
+            )
+        ptr = tensor.data_ptr()
+        if ptr not in rows:
+            rows[ptr] = _page_rows(name, tensor)
+        index[name] = list(rows).index(ptr)
+    return BlockPool(list(rows.values())), index
+
+
+def _page_rows(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s blocks as ``uint8 [num_blocks, page]`` rows over its storage: its
+    first dimension must be the block and its blocks a page apart."""
+    blocks = tensor.shape[0]
+    page = tensor.stride(0) * tensor.element_size()
+    start = tensor.storage_offset() * tensor.element_size()
+    storage = tensor.untyped_storage()
+    # Elements of one block, from its first: all within the page.
+    span = 1 + sum(
+        (n - 1) * abs(s) for n, s in zip(tensor.shape[1:], tensor.stride()[1:], strict=True)
+    )
+    if page <= 0 or span > tensor.stride(0) or start + blocks * page > storage.nbytes():
+        raise ConfigError(
+            f"KV cache layer {name}: shape {tuple(tensor.shape)}, stride "
+            f"{tensor.stride()}: its first dimension is not the block; kvoffload reads "
+            "a hybrid model's KV cache only in a block-first layout"
+        )
+    rows = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+    rows.set_(storage, start, (blocks, page), (page, 1))
+    return rows
