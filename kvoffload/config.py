@@ -528,6 +528,12 @@ class KVOffloadConfig(BaseModel):
     stored; ``store_timeouts``) and the engine has its blocks back; a store whose read
     has begun is waited for (a memory copy). The engine never waits for the write into
     the tier itself."""
+    books_timeout_ms: float = Field(default=1_000.0, gt=0)
+    """Longest vLLM's scheduler waits for a worker's answer (vLLM's default
+    multi-process mode, where the connector's two sides ask each other over a socket).
+    Past it the question costs a miss (a lookup answers 0 tokens); the late answer is
+    dropped. A worker answers in microseconds: only one stuck (a shared tier's server
+    that hangs) ever takes this long."""
     stress: StressConfig = StressConfig()
     """Defaults for ``kvoffload stress``."""
 

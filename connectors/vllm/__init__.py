@@ -227,6 +227,7 @@ class TieredOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
                 events=self._events_enabled,
                 groups=self.groups,
                 inert=self.inert,
+                books_timeout_s=self.config.books_timeout_ms / 1e3,
             )
         else:
             self._worker = TieredOffloadWorker(

@@ -109,10 +109,12 @@ class TieredOffloadScheduler:
         groups: list[Group] | None = None,
         asked: int | None = None,
         inert: bool = False,
+        books_timeout_s: float = 1.0,
     ) -> None:
         self.engine_id = engine_id
         self.ranks = ranks
         self.inert = inert
+        self.books_timeout_s = books_timeout_s
         """vLLM's block hashes are not one per KV cache block: nothing to key, so no
         lookups and no stores."""
         self.asked = ranks if asked is None else asked
@@ -148,7 +150,7 @@ class TieredOffloadScheduler:
                 shared = _REGISTRY.get(self._slot)
             if shared is not None:
                 return shared
-        self._remote = _RemoteBooks(self.engine_id, self.asked)
+        self._remote = _RemoteBooks(self.engine_id, self.asked, self.books_timeout_s)
         return self._remote
 
     def _keys(self, request: Request, n: int) -> list[BlockKey]:
@@ -239,7 +241,9 @@ class TieredOffloadScheduler:
             state = self._reqs.get(req_id)
             if state is None or self.inert:
                 continue
-            if block_state is not None:
+            if block_state is not None and len(self.groups) > 1:
+                # (A dense model's table only grows: the appended ids are exact, and
+                # resolving copies the whole table every step.)
                 current = block_state.get_block_ids(req_id)
                 if current is not None:
                     state.block_ids = [list(ids) for ids in current]

@@ -56,6 +56,9 @@ class _Shared:
     plans: dict[int, list[_GroupPlan]] = field(default_factory=dict)
     """Loads planned by the scheduler side, by its plan id, until ``start_load_kv``:
     one plan per KV cache group."""
+    abandoned_plans: set[int] = field(default_factory=set)
+    """Plan ids the worker found missing when it loaded (their question came late):
+    when one arrives it is unpinned at once."""
     holds: dict[str, dict[int, _GroupPlan]] = field(default_factory=dict)
     """Decided claims, by request id and group: pinned until planned or released."""
     resident: dict[str, int] = field(default_factory=dict)
@@ -174,8 +177,14 @@ class _Shared:
                 )
                 plans.append(_GroupPlan(group_plan.group, narrowed, first - start))
         with self.lock:
-            self.plans[plan_id] = plans
-            self.counters["blocks_planned"] += sum(p.plan.hits for p in plans)
+            late = plan_id in self.abandoned_plans
+            self.abandoned_plans.discard(plan_id)
+            if not late:
+                self.plans[plan_id] = plans
+                self.counters["blocks_planned"] += sum(p.plan.hits for p in plans)
+        if late:
+            for group_plan in plans:
+                self.offloader.unclaim(group_plan.plan)
         return n if plans else 0
 
     def sources(self, req_id: str) -> int:

@@ -194,7 +194,12 @@ class TieredOffloadWorker:
         self._deadline = time.monotonic() + self._load_timeout
         for load in meta.loads:
             with shared.lock:
-                group_plans = shared.plans.pop(load.plan_id)
+                group_plans = shared.plans.pop(load.plan_id, None)
+                if group_plans is None:  # its plan is late (the scheduler gave up on it)
+                    shared.abandoned_plans.add(load.plan_id)
+            if group_plans is None:
+                self._load_errors.update(b for ids in load.block_ids for b in ids if b)
+                continue
             for group_plan in group_plans:
                 job_id = self._submit(shared, load, group_plan)
                 if job_id is not None:
