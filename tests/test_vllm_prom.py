@@ -23,6 +23,8 @@ from kvoffload.connectors.vllm import (
     TieredOffloadKVEvents,
     TieredOffloadPromMetrics,
     TieredOffloadStats,
+    connector_counters,
+    connector_health,
 )
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from support.engine_run import write_tiny_llama
@@ -352,16 +354,20 @@ def _hit(eng: Engine, req: Request, block_ids: list[int]) -> int:
     return matched
 
 
+def _disk_tiers(tmp_path: Path) -> list[dict[str, Any]]:
+    return [
+        {"name": "cpu", "capacity": 8 * BYTES_PER_BLOCK},
+        {"name": "ssd", "backend": "mmap", "capacity": "1MiB", "path": str(tmp_path / "ssd")},
+    ]
+
+
 def test_hit_sources_say_which_tier_served_the_hit(model_dir: str, tmp_path: Path) -> None:
     """vLLM's per-source hit counts (``get_external_cache_hit_sources``): a repeat's
     blocks come from the cpu tier (``host``); on a new engine over the same mmap tier
     they were prefetched from the disk (``disk``)."""
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-    tiers = [
-        {"name": "cpu", "capacity": 8 * BYTES_PER_BLOCK},
-        {"name": "ssd", "backend": "mmap", "capacity": "1MiB", "path": str(tmp_path / "ssd")},
-    ]
+    tiers = _disk_tiers(tmp_path)
     stored = Engine(vllm_config(model_dir, tiers, events=False))
     try:
         a = stored.request("a", prompt(0))
@@ -376,6 +382,64 @@ def test_hit_sources_say_which_tier_served_the_hit(model_dir: str, tmp_path: Pat
         assert _repeat_sources(restarted) == {CacheHitSource.DISK: 3 * BLOCK}
     finally:
         restarted.close()
+
+
+def _on_disk_only(model_dir: str, tmp_path: Path) -> Engine:
+    """A new engine over an mmap tier holding ``prompt(0)``'s 3 blocks (stored by
+    another, closed engine), its cpu tier empty."""
+    tiers = _disk_tiers(tmp_path)
+    first = Engine(vllm_config(model_dir, tiers, events=False))
+    try:
+        a = first.request("a", prompt(0))
+        first.admit(a, [0, 1, 2, 3])
+        first.step(a, [0, 1, 2, 3], len(a.prompt_token_ids or []))
+    finally:
+        first.close()  # runs every queued job: the blocks are on disk
+    return Engine(vllm_config(model_dir, tiers, events=False))
+
+
+def test_a_queued_request_prefetches_before_its_lookup(model_dir: str, tmp_path: Path) -> None:
+    """``on_new_request``: vLLM queued the request, and its prefix comes up from the
+    disk before the scheduler reaches it; the lookup then finds it landed and answers
+    at once (not ``None``, "still prefetching")."""
+    eng = _on_disk_only(model_dir, tmp_path)
+    try:
+        req = eng.request("queued", prompt(0))
+        eng.scheduler.on_new_request(req)
+        deadline = time.monotonic() + 30
+        while connector_counters()[eng.worker.engine_id]["prefetched_blocks"] < 3:
+            assert time.monotonic() < deadline, "the prefetch never landed"
+            time.sleep(0.005)
+        counts = connector_counters()[eng.worker.engine_id]
+        assert (counts["lookups"], counts["prefetches_on_arrival"]) == (0, 1)
+        assert eng.scheduler.get_num_new_matched_tokens(req, 0) == (3 * BLOCK, False)
+    finally:
+        eng.close()
+
+
+def test_a_request_that_ends_while_queued_leaves_nothing_behind(
+    model_dir: str, tmp_path: Path
+) -> None:
+    """Aborted before the scheduler reached it: its prefetches are released (or
+    cancelled), and nothing stays pinned or waiting."""
+    eng = _on_disk_only(model_dir, tmp_path)
+    try:
+        req = eng.request("gone", prompt(0))
+        eng.scheduler.on_new_request(req)
+        eng.scheduler.request_finished(req, [])
+        deadline = time.monotonic() + 30
+        while True:
+            health = connector_health()[eng.worker.engine_id]
+            if health["prefetches"] == 0:
+                break
+            assert time.monotonic() < deadline, health
+            time.sleep(0.005)
+        assert health["claims"] == 0
+        assert health["holds"] == 0
+        assert health["problems"] == []
+        assert set(health["pinned"]) == {0}
+    finally:
+        eng.close()
 
 
 def _repeat_sources(eng: Engine) -> dict[Any, int]:

@@ -228,6 +228,7 @@ class TieredOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
                 groups=self.groups,
                 inert=self.inert,
                 books_timeout_s=self.config.books_timeout_ms / 1e3,
+                prefetch_on_arrival=self.options["prefetch_on_arrival"],
             )
         else:
             self._worker = TieredOffloadWorker(
@@ -255,6 +256,9 @@ class TieredOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
         return self._worker
 
     # ----------------------------------------------------------- scheduler side
+    def on_new_request(self, request: Request) -> None:
+        self._scheduler_side().on_new_request(request)
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:

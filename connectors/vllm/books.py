@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 MAX_MESSAGE: Final = 64 * 2**20
 """Largest message either side reads (a lookup of a million-token prompt is ~5 MB)."""
 
-QUESTIONS: Final = ("lookup", "plan", "release", "sources", "reset")
+QUESTIONS: Final = ("lookup", "prefetch", "plan", "release", "sources", "reset")
 
 
 def _private_dir() -> Path:
@@ -89,7 +89,7 @@ def _new_key(engine_id: str, rank: int) -> bytes:
 
 def _encode_question(n: int, op: str, arg: Any) -> bytes:
     """A question as JSON: keys (bytes) as hex."""
-    if op == "lookup":
+    if op in ("lookup", "prefetch"):
         req_id, keys = arg
         arg = [req_id, [bytes(k).hex() for k in keys]]
     return json.dumps({"n": n, "op": op, "arg": arg}).encode()
@@ -115,10 +115,14 @@ def _decode_question(data: bytes) -> tuple[int, str, Any]:
     n, op, arg = msg["n"], msg["op"], msg["arg"]
     if not isinstance(n, int) or op not in QUESTIONS:
         raise ValueError(f"unknown question {op!r}")
-    if op == "lookup":
+    if op in ("lookup", "prefetch"):
+        if not isinstance(arg, list) or len(arg) != 2:
+            raise ValueError(f"{op}: expected a request id and hex keys")
         req_id, keys = arg
-        if not isinstance(req_id, str) or not all(isinstance(k, str) for k in keys):
-            raise ValueError("lookup: expected a request id and hex keys")
+        if not isinstance(req_id, str) or not isinstance(keys, list):
+            raise ValueError(f"{op}: expected a request id and hex keys")
+        if not all(isinstance(k, str) for k in keys):
+            raise ValueError(f"{op}: expected a request id and hex keys")
         arg = (req_id, [BlockKey(bytes.fromhex(k)) for k in keys])
     elif op == "plan":
         if not (
@@ -273,6 +277,9 @@ class _RemoteBooks:
 
     def lookup(self, req_id: str, keys: list[BlockKey]) -> int | None:
         return self._ask("lookup", (req_id, keys))
+
+    def prefetch(self, req_id: str, keys: list[BlockKey]) -> int:
+        return self._ask("prefetch", (req_id, keys)) or 0
 
     def plan(self, plan_id: int, req_id: str, start: int, n: int) -> int:
         return self._ask("plan", [plan_id, req_id, start, n]) or 0

@@ -66,6 +66,8 @@ class TieredOffloadStats(KVConnectorStats):  # type: ignore[misc]  # vLLM: Any
 
 COUNTERS: Final[dict[str, str]] = {
     "lookups": "Lookups of a request's blocks in the tiers by the scheduler side.",
+    "prefetches_on_arrival": "Requests whose prefix was looked for in the lower tiers "
+    "(and prefetched into the cpu tier) as soon as vLLM queued them (on_new_request).",
     "blocks_planned": "Blocks planned (pinned) for loading.",
     "blocks_loaded": "Blocks loaded into the engine's KV cache.",
     "blocks_loaded_after_preemption": "Blocks loaded for requests resumed after preemption.",

@@ -110,11 +110,13 @@ class TieredOffloadScheduler:
         asked: int | None = None,
         inert: bool = False,
         books_timeout_s: float = 1.0,
+        prefetch_on_arrival: bool = True,
     ) -> None:
         self.engine_id = engine_id
         self.ranks = ranks
         self.inert = inert
         self.books_timeout_s = books_timeout_s
+        self.prefetch_on_arrival = prefetch_on_arrival
         """vLLM's block hashes are not one per KV cache block: nothing to key, so no
         lookups and no stores."""
         self.asked = ranks if asked is None else asked
@@ -159,6 +161,22 @@ class TieredOffloadScheduler:
             key_from_hash(bytes(h) if not isinstance(h, int) else h)
             for h in request.block_hashes[:n]
         ]
+
+    def on_new_request(self, request: Request) -> None:
+        """vLLM queued ``request``: start prefetching its prefix from the lower tiers
+        now, so that by the time the scheduler reaches it (a backlog) its blocks are in
+        the cpu tier. Its lookup later waits for the same prefetches or finds them
+        landed; a request that ends first releases them (``request_finished``)."""
+        if self.inert or not self.prefetch_on_arrival:
+            return
+        loadable = min(
+            (request.num_prompt_tokens - 1) // self.block_size, len(request.block_hashes)
+        )
+        if loadable <= 0:
+            return
+        state = self._reqs.setdefault(request.request_id, _ReqState(request))
+        self._books().prefetch(request.request_id, self._keys(request, loadable))
+        state.claimed = True
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int

@@ -148,6 +148,21 @@ class _Shared:
             off.unclaim(group_plan.plan)
         return hit
 
+    def prefetch(self, req_id: str, keys: list[BlockKey]) -> int:
+        """Start bringing ``req_id``'s prefix up from the lower tiers as soon as vLLM
+        queues it, before its lookup: what is already in the cpu tier is left as it is
+        (nothing pinned), what only a lower tier holds is prefetched, as a lookup would
+        (the same in-flight bounds; the request's later lookup waits for the same
+        prefetches, or finds them landed). A request that ends first releases them."""
+        self.bump("prefetches_on_arrival")
+        for group in self.groups:
+            if group.window is not None:  # a window needs its boundary: at lookup
+                continue
+            plan = self.offloader.claim((req_id, group.index), self.ns(keys, group.index))
+            if plan is not None:  # decided at once: nothing to bring up
+                self.offloader.unclaim(plan)
+        return 0
+
     def _window_boundary(self, keys: list[BlockKey], hit: int, windowed: list[Group]) -> int:
         """The largest boundary up to ``hit`` where every windowed group holds its
         window of blocks (0 if none)."""
@@ -221,6 +236,8 @@ class _Shared:
             return self.release(arg)
         if op == "sources":
             return self.sources(arg)
+        if op == "prefetch":
+            return self.prefetch(*arg)
         if op == "reset":
             return self.reset()
         raise ValueError(f"kvoffload books: unknown question {op!r}")
