@@ -534,6 +534,11 @@ class KVOffloadConfig(BaseModel):
     Past it the question costs a miss (a lookup answers 0 tokens); the late answer is
     dropped. A worker answers in microseconds: only one stuck (a shared tier's server
     that hangs) ever takes this long."""
+    async_load_min_bytes: ByteSize = 8 * 1024**2
+    """A hit of at least this many bytes (on one rank) loads in the background, as
+    vLLM's asynchronous load: the request waits while the other requests' steps go
+    on, instead of every running request waiting for the copy inside the step.
+    Smaller hits load inside the step, which saves the request a step of latency."""
     stress: StressConfig = StressConfig()
     """Defaults for ``kvoffload stress``."""
 

@@ -229,6 +229,11 @@ class TieredOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
                 inert=self.inert,
                 books_timeout_s=self.config.books_timeout_ms / 1e3,
                 prefetch_on_arrival=self.options["prefetch_on_arrival"],
+                block_bytes=self.layout.bytes_per_block,
+                # A cache every rank holds alike is sent by rank 0 within the step.
+                async_min_bytes=float("inf")
+                if self.replicated
+                else float(self.config.async_load_min_bytes),
             )
         else:
             self._worker = TieredOffloadWorker(

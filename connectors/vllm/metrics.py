@@ -69,6 +69,9 @@ COUNTERS: Final[dict[str, str]] = {
     "prefetches_on_arrival": "Requests whose prefix was looked for in the lower tiers "
     "(and prefetched into the cpu tier) as soon as vLLM queued them (on_new_request).",
     "blocks_planned": "Blocks planned (pinned) for loading.",
+    "loads_in_background": "Hits loaded as vLLM's asynchronous loads (async_load_min_bytes "
+    "or more, or any hit of a model with several KV cache groups): the request waited "
+    "while the other requests' steps went on.",
     "blocks_loaded": "Blocks loaded into the engine's KV cache.",
     "blocks_loaded_after_preemption": "Blocks loaded for requests resumed after preemption.",
     "blocks_loaded_layerwise": "Of the blocks loaded, those copied in layer by layer "

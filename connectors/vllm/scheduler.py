@@ -45,10 +45,12 @@ class _Load:
     """The request was preempted earlier: this load brings its work back."""
     hashes: list[BlockHash] = field(default_factory=list)
     """vLLM's hashes of the planned keys, for KV events (empty when they are off)."""
-    whole: bool = False
-    """Loaded as vLLM's asynchronous load: the request waits for it, and it succeeds or
-    fails whole (``finished_recving`` / ``failed_recving``), because vLLM cannot map a
-    failed block back to its request when there are several KV cache groups."""
+    background: bool = False
+    """vLLM's asynchronous load: the request waits (``WAITING_FOR_REMOTE_KVS``) while
+    the worker loads it in the background, and the worker reports it done
+    (``finished_recving``); its failed blocks are load errors, or, with several KV
+    cache groups, the whole load fails (``failed_recving``: vLLM cannot map a failed
+    block back to its request there)."""
 
 
 @dataclass
@@ -90,6 +92,8 @@ class _ReqState:
     had_store: bool = False
     local_tokens: int = 0
     """GPU prefix-cache hit, from the last ``get_num_new_matched_tokens``."""
+    background: bool = False
+    """Its last lookup's hit loads in the background (vLLM's asynchronous load)."""
     claimed: bool = False
     """The worker may hold a claim (pins, or prefetches waited for) for this request
     that neither a plan nor a release has ended yet."""
@@ -111,12 +115,18 @@ class TieredOffloadScheduler:
         inert: bool = False,
         books_timeout_s: float = 1.0,
         prefetch_on_arrival: bool = True,
+        block_bytes: int = 0,
+        async_min_bytes: float = float("inf"),
     ) -> None:
         self.engine_id = engine_id
         self.ranks = ranks
         self.inert = inert
         self.books_timeout_s = books_timeout_s
         self.prefetch_on_arrival = prefetch_on_arrival
+        self.block_bytes = block_bytes
+        """Bytes of one block (on one rank): what a hit of n blocks loads."""
+        self.async_min_bytes = async_min_bytes
+        """A hit of at least this many bytes loads in the background."""
         """vLLM's block hashes are not one per KV cache block: nothing to key, so no
         lookups and no stores."""
         self.asked = ranks if asked is None else asked
@@ -200,7 +210,9 @@ class TieredOffloadScheduler:
             return None, False
         if hit <= start:
             return 0, False
-        return hit * self.block_size - num_computed_tokens, self._whole_loads
+        background = self._whole_loads or (hit - start) * self.block_bytes >= self.async_min_bytes
+        state.background = background
+        return hit * self.block_size - num_computed_tokens, background
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -223,8 +235,13 @@ class TieredOffloadScheduler:
         resumed = request.request_id in self._preempted
         hashes = list(request.block_hashes[start : start + n]) if self._events_enabled else []
         self._pending_loads.append(
-            _Load(request.request_id, plan_id, targets, resumed, hashes, self._whole_loads)
+            _Load(request.request_id, plan_id, targets, resumed, hashes, state.background)
         )
+        if state.background:
+            # The worker holds the request's blocks until its load is done, and says
+            # so (finished_sending) when the request finishes: an abort meanwhile must
+            # not hand vLLM blocks still being written.
+            state.had_store = True
         # Blocks being loaded are held by us already: no need to store them back.
         state.stored_blocks = max(state.stored_blocks, start + n)
         for group in self.groups:

@@ -49,6 +49,16 @@ class _Job:
     targets: list[int]
 
 
+@dataclass
+class _Background:
+    """A load in the background (vLLM's asynchronous load): its jobs not done yet."""
+
+    load: _Load
+    jobs: set[int]
+    deadline: float
+    """``time.monotonic()`` past which its jobs still reading are abandoned."""
+
+
 class TieredOffloadWorker:
     """The worker side of one engine's rank (see the module docstring)."""
 
@@ -108,7 +118,9 @@ class TieredOffloadWorker:
         self._gates: dict[int, LoadGate] = {}
         self._jobs: dict[int, _Job] = {}
         self._loaded_now: list[int] = []
-        # Asynchronous (whole) loads done, and those that failed, not yet reported.
+        # Background loads by job id; those done, and those failed whole, not yet
+        # reported.
+        self._background: dict[int, _Background] = {}
         self._recv_done: set[str] = set()
         self._recv_failed: set[str] = set()
         """Blocks loaded this step (replicated caches: what rank 0 sends)."""
@@ -193,46 +205,95 @@ class TieredOffloadWorker:
         jobs: dict[int, _Job] = {}
         self._deadline = time.monotonic() + self._load_timeout
         for load in meta.loads:
+            background = _Background(load, set(), self._deadline) if load.background else None
+            if background is not None:
+                # Its blocks stay the request's until the load is done (an abort waits).
+                self._ever_stored.add(load.req_id)
+                shared.bump("loads_in_background")
             with shared.lock:
                 group_plans = shared.plans.pop(load.plan_id, None)
                 if group_plans is None:  # its plan is late (the scheduler gave up on it)
                     shared.abandoned_plans.add(load.plan_id)
+            for group_plan in group_plans or []:
+                job_id = self._submit(shared, load, group_plan, layerwise=background is None)
+                if job_id is None:
+                    continue
+                if background is None:
+                    jobs[job_id] = self._jobs[job_id]
+                else:
+                    background.jobs.add(job_id)
+                    self._background[job_id] = background
             if group_plans is None:
                 self._load_errors.update(b for ids in load.block_ids for b in ids if b)
-                continue
-            for group_plan in group_plans:
-                job_id = self._submit(shared, load, group_plan)
-                if job_id is not None:
-                    jobs[job_id] = self._jobs[job_id]
-        if not self.layerwise:
+            if background is not None:
+                if background.jobs:
+                    self._stores_left[load.req_id] = self._stores_left.get(load.req_id, 0) + 1
+                else:
+                    self._settle_background(shared, background, held=False)
+        if jobs and not self.layerwise:
             self._book_loads(shared, self._wait_loads(shared, jobs), jobs, layerwise=False)
-            self._settle_whole_loads(shared, meta.loads)
         if self.replicated:
             self._send_loads()
 
-    def _settle_whole_loads(self, shared: _Shared, loads: list[_Load]) -> None:
-        """Asynchronous loads succeed or fail whole: a request with any block not
-        loaded is a failed receive (vLLM recomputes or fails it, by its policy), and
-        its blocks are no block-level load errors (counted in ``load_errors`` here)."""
-        for load in loads:
-            if not load.whole:
-                continue
-            ids = {b for targets in load.block_ids for b in targets}
-            failed = ids & self._load_errors
-            if failed:
-                self._load_errors -= ids
-                self._recv_failed.add(load.req_id)
-                shared.bump("load_errors", len(failed))
-            self._recv_done.add(load.req_id)
+    def _settle_background(self, shared: _Shared, background: _Background, *, held: bool) -> None:
+        """A background load is done: report its request received. It succeeds or
+        fails whole: a failed receive, which vLLM recomputes from scratch or fails, by
+        its policy (counted in ``load_errors`` here), and which the scheduler side never
+        looks up again. Block-level errors would not do: vLLM takes none from a model
+        with several KV cache groups (it raises), and with one it sends the request
+        back to the lookup, which would find the same blocks and fail again.
+        ``held``: it counted among the request's jobs holding its blocks."""
+        load = background.load
+        ids = {b for targets in load.block_ids for b in targets}
+        failed = ids & self._load_errors
+        if failed:
+            self._load_errors -= ids
+            self._recv_failed.add(load.req_id)
+            shared.bump("load_errors", len(failed))
+        self._recv_done.add(load.req_id)
+        if held:
+            self._stores_left[load.req_id] -= 1
+            if self._stores_left[load.req_id] == 0:
+                del self._stores_left[load.req_id]
 
-    def _submit(self, shared: _Shared, load: _Load, group_plan: _GroupPlan) -> int | None:
-        """Submit one group's part of a load; its job id, ``None`` if refused."""
+    def _poll_background(self, shared: _Shared, results: list[Any]) -> None:
+        """Book the background loads among ``results``, and abandon those still
+        reading past their deadline (their blocks become load errors; one whose copy
+        into the KV cache has begun is waited for: a memory copy)."""
+        now = time.monotonic()
+        done = {r.job_id for r in results}
+        late = [j for j, b in self._background.items() if b.deadline <= now and j not in done]
+        for job_id in late:
+            if self._gates[job_id].abandon():
+                self._gates.pop(job_id)
+                self._abandoned(shared, self._jobs.pop(job_id))
+                self._background_done(shared, job_id)
+            else:
+                results.extend(shared.offloader.wait([job_id]))
+        for result in results:
+            if result.job_id in self._background:
+                self._gates.pop(result.job_id, None)
+                job = {result.job_id: self._jobs[result.job_id]}
+                self._book_loads(shared, [result], job, layerwise=False)
+                self._background_done(shared, result.job_id)
+
+    def _background_done(self, shared: _Shared, job_id: int) -> None:
+        background = self._background.pop(job_id)
+        background.jobs.discard(job_id)
+        if not background.jobs:
+            self._settle_background(shared, background, held=True)
+
+    def _submit(
+        self, shared: _Shared, load: _Load, group_plan: _GroupPlan, *, layerwise: bool
+    ) -> int | None:
+        """Submit one group's part of a load (layer by layer if ``layerwise`` and the
+        worker's loads are); its job id, ``None`` if refused."""
         plan, offset = group_plan.plan, group_plan.first
         ids = load.block_ids[group_plan.group][offset:]
         targets = ids[: plan.hits]
         if load.hashes:  # promotions into the first tier are stores too
             shared.events.remember(plan.keys, load.hashes[offset : offset + plan.hits])
-        layers = LayerProgress(self._num_layers) if self.layerwise else None
+        layers = LayerProgress(self._num_layers) if self.layerwise and layerwise else None
         gate = LoadGate()
         job = shared.offloader.submit_load(plan, targets, layers=layers, gate=gate)
         if job is None:
@@ -465,8 +526,10 @@ class TieredOffloadWorker:
         return set(sending or ()), set(received or ()), failed
 
     def _collect(self, shared: _Shared, results: list[Any]) -> None:
-        """Book finished store jobs: the tokens they wrote. (A finished job's gate is
-        released: :meth:`_free_store_blocks` lets go of its request's blocks.)"""
+        """Book finished store jobs: the tokens they wrote (a finished job's gate is
+        released: :meth:`_free_store_blocks` lets go of its request's blocks), and
+        background loads."""
+        self._poll_background(shared, results)
         bpb = shared.offloader.bpb
         for result in results:
             req_id = self._store_jobs.pop(result.job_id, None)

@@ -129,6 +129,47 @@ def test_outputs_equal_and_a_repeat_is_served_from_the_cpu_tier(
         assert_loaded(result, 18)
 
 
+def _background(conn: dict[str, Any]) -> dict[str, Any]:
+    """``conn`` with every hit loaded in the background (``async_load_min_bytes`` 1)."""
+    conn["config"]["async_load_min_bytes"] = 1
+    return conn
+
+
+@pytest.mark.parametrize("loads", LOADS)
+def test_a_large_hit_loads_in_the_background(
+    engines: EngineServer, tmp_path: Path, reference: Any, loads: str
+) -> None:
+    """A hit of ``async_load_min_bytes`` or more (here every hit) is vLLM's asynchronous
+    load: the request waits in ``WAITING_FOR_REMOTE_KVS`` while the worker loads it
+    between steps, and is reported received (``get_finished``). Under vLLM's default
+    ``"fail"``: outputs equal, the repeat's 18 blocks loaded in the background."""
+    conn = _conn(_background(_cpu()), loads)
+    rounds = [[_prompt(1), _prompt(2)], [_prompt(1), _prompt(2)]]
+    result = _engine(engines, tmp_path, conn, rounds, failure_policy=None)
+    with _checks(loads):
+        assert outputs(result, 0) == outputs(reference, 0)
+        assert outputs(result, 1) == outputs(reference, 1)
+        assert cached(result, 1) == [288, 288]
+        assert_loaded(result, 18)
+        assert result["kvoffload"]["loads_in_background"] == 2
+
+
+def test_a_failed_background_load_is_recomputed(
+    engines: EngineServer, tmp_path: Path, reference: Any
+) -> None:
+    """Every load failing, in the background: the load fails whole (``failed_recving``),
+    and vLLM recomputes the request under ``"recompute"`` (outputs equal, no request
+    failed); the connector does not look it up again."""
+    conn = sabotaged(_background(_cpu()))
+    rounds = [[_prompt(1), _prompt(2)], [_prompt(1), _prompt(2)]]
+    result = _engine(engines, tmp_path, conn, rounds, failure_policy="recompute")
+    assert outputs(result, 1) == outputs(reference, 1)
+    assert result["failed"] == 0
+    counts = result["kvoffload"]
+    assert (counts["blocks_loaded"], counts["load_errors"]) == (0, 18)
+    assert counts["loads_in_background"] == 2
+
+
 @pytest.mark.parametrize(
     ("backend", "loads"), [("mmap", "real"), ("lmdb", "real"), ("lmdb", "failing")]
 )
