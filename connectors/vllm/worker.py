@@ -562,7 +562,12 @@ class TieredOffloadWorker:
         shared = self._registered()
         if shared is not None:
             self._finish_layer_loads(shared)
-        errors, self._load_errors = self._load_errors, set()
+        # A background load still running keeps its failed blocks: it fails whole when
+        # it is done (a block-level error now would send vLLM back to the lookup, and
+        # vLLM raises on one from a model with several KV cache groups).
+        pending = {b for bg in self._background.values() for ids in bg.load.block_ids for b in ids}
+        errors = self._load_errors - pending
+        self._load_errors &= pending
         if shared is not None:
             shared.bump("load_errors", len(errors))
         return errors
