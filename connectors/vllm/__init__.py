@@ -35,10 +35,16 @@ side takes the smallest answer of all ranks (``None`` if any is undecided).
   requests run meanwhile); then it answers the verified prefix, pinned in the cpu tier
   for the request. A corrupt, lost or unreadable disk block shortens the hit *before*
   vLLM allocates anything, whatever ``kv_load_failure_policy`` says. A request that
-  ends first (aborted) releases its pins and cancels its prefetches.
-- **Loads** are synchronous within the step (``start_load_kv`` waits for them) and
-  read the cpu tier only. With ``layerwise_loads: true`` in
-  ``kv_connector_extra_config``, ``start_load_kv`` only submits them, the blocks are
+  ends first (aborted) releases its pins and cancels its prefetches. Prefetches start
+  when vLLM queues the request (``on_new_request``), unless ``prefetch_on_arrival``
+  is off.
+- **Loads** read the cpu tier only. Below ``async_load_min_bytes`` they are
+  synchronous within the step (``start_load_kv`` waits for them); from it up, and for
+  every hit of a model with several KV cache groups, they are vLLM's asynchronous
+  loads: the request waits while the worker loads in the background, reports it
+  received (``get_finished``) or failed whole (``get_transfer_results``). With
+  ``layerwise_loads: true`` in ``kv_connector_extra_config``, ``start_load_kv`` only
+  submits the synchronous ones, the blocks are
   copied in layer by layer, and each attention layer waits for its own layer
   (``wait_for_layer_load``); ``wait_for_save`` collects them. The one failure left is
   an I/O error there; it is reported through ``get_block_ids_with_load_errors``, and

@@ -7,9 +7,11 @@ with its books server in :mod:`.shared` at ``register_kv_caches``; each step it 
 out the scheduler side's :class:`~.scheduler.TieredOffloadMetadata`: loads within the
 step (``start_load_kv`` waits for them; with ``layerwise_loads`` it only submits them,
 each attention layer waits for its own layer in ``wait_for_layer_load``, and
-``wait_for_save`` collects them), stores in the background (``wait_for_save`` submits
-them), and reports the requests whose stores are done (``get_finished``), the
-blocks that failed to load, its stats and its KV events. Kept apart from
+``wait_for_save`` collects them) or in the background (vLLM's asynchronous loads:
+submitted there, collected in a later step's ``get_finished``), stores in the
+background (``wait_for_save`` submits them), and reports the requests whose stores or
+background loads are done (``get_finished``, ``get_transfer_results``), the blocks
+that failed to load, its stats and its KV events. Kept apart from
 :mod:`.scheduler` because it runs in another process in vLLM's default mode.
 """
 
