@@ -538,7 +538,9 @@ class KVOffloadConfig(BaseModel):
     """A hit of at least this many bytes (on one rank) loads in the background, as
     vLLM's asynchronous load: the request waits while the other requests' steps go
     on, instead of every running request waiting for the copy inside the step.
-    Smaller hits load inside the step, which saves the request a step of latency."""
+    Smaller hits load inside the step, which saves the request a step of latency. An
+    8 MiB load inside the step took 0.85 ms on a 2-core VM (scripts/bench_load_budget.py,
+    docs/benchmarks.md): under a millisecond."""
     stress: StressConfig = StressConfig()
     """Defaults for ``kvoffload stress``."""
 
