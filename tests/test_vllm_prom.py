@@ -370,9 +370,7 @@ def test_hit_sources_say_which_tier_served_the_hit(model_dir: str, tmp_path: Pat
     tiers = _disk_tiers(tmp_path)
     stored = Engine(vllm_config(model_dir, tiers, events=False))
     try:
-        a = stored.request("a", prompt(0))
-        stored.admit(a, [0, 1, 2, 3])
-        stored.step(a, [0, 1, 2, 3], len(a.prompt_token_ids or []))
+        _store_prompt_0(stored)
         _REGISTRY[stored.worker.engine_id].offloader.drain()
         assert _repeat_sources(stored) == {CacheHitSource.HOST: 3 * BLOCK}
     finally:
@@ -384,15 +382,20 @@ def test_hit_sources_say_which_tier_served_the_hit(model_dir: str, tmp_path: Pat
         restarted.close()
 
 
+def _store_prompt_0(eng: Engine) -> None:
+    """Request ``a``, ``prompt(0)``, computed into blocks 0-3 and stored (3 blocks)."""
+    a = eng.request("a", prompt(0))
+    eng.admit(a, [0, 1, 2, 3])
+    eng.step(a, [0, 1, 2, 3], len(a.prompt_token_ids or []))
+
+
 def _on_disk_only(model_dir: str, tmp_path: Path) -> Engine:
     """A new engine over an mmap tier holding ``prompt(0)``'s 3 blocks (stored by
     another, closed engine), its cpu tier empty."""
     tiers = _disk_tiers(tmp_path)
     first = Engine(vllm_config(model_dir, tiers, events=False))
     try:
-        a = first.request("a", prompt(0))
-        first.admit(a, [0, 1, 2, 3])
-        first.step(a, [0, 1, 2, 3], len(a.prompt_token_ids or []))
+        _store_prompt_0(first)
     finally:
         first.close()  # runs every queued job: the blocks are on disk
     return Engine(vllm_config(model_dir, tiers, events=False))
