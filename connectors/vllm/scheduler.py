@@ -237,11 +237,9 @@ class TieredOffloadScheduler:
         self._pending_loads.append(
             _Load(request.request_id, plan_id, targets, resumed, hashes, state.background)
         )
-        if state.background:
-            # The worker holds the request's blocks until its load is done, and says
-            # so (finished_sending) when the request finishes: an abort meanwhile must
-            # not hand vLLM blocks still being written.
-            state.had_store = True
+        # A background load's blocks are held by vLLM itself until the worker reports
+        # the load received (finished_recving), even if the request ends meanwhile:
+        # nothing to hold here (a finished_sending for it as well would be one too many).
         # Blocks being loaded are held by us already: no need to store them back.
         state.stored_blocks = max(state.stored_blocks, start + n)
         for group in self.groups:

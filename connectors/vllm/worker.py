@@ -209,8 +209,7 @@ class TieredOffloadWorker:
         for load in meta.loads:
             background = _Background(load, set(), self._deadline) if load.background else None
             if background is not None:
-                # Its blocks stay the request's until the load is done (an abort waits).
-                self._ever_stored.add(load.req_id)
+                # vLLM holds its blocks until we report it received (an abort waits).
                 shared.bump("loads_in_background")
             with shared.lock:
                 group_plans = shared.plans.pop(load.plan_id, None)
@@ -227,24 +226,20 @@ class TieredOffloadWorker:
                     self._background[job_id] = background
             if group_plans is None:
                 self._load_errors.update(b for ids in load.block_ids for b in ids if b)
-            if background is not None:
-                if background.jobs:
-                    self._stores_left[load.req_id] = self._stores_left.get(load.req_id, 0) + 1
-                else:
-                    self._settle_background(shared, background, held=False)
+            if background is not None and not background.jobs:
+                self._settle_background(shared, background)
         if jobs and not self.layerwise:
             self._book_loads(shared, self._wait_loads(shared, jobs), jobs, layerwise=False)
         if self.replicated:
             self._send_loads()
 
-    def _settle_background(self, shared: _Shared, background: _Background, *, held: bool) -> None:
+    def _settle_background(self, shared: _Shared, background: _Background) -> None:
         """A background load is done: report its request received. It succeeds or
         fails whole: a failed receive, which vLLM recomputes from scratch or fails, by
         its policy (counted in ``load_errors`` here), and which the scheduler side never
         looks up again. Block-level errors would not do: vLLM takes none from a model
         with several KV cache groups (it raises), and with one it sends the request
-        back to the lookup, which would find the same blocks and fail again.
-        ``held``: it counted among the request's jobs holding its blocks."""
+        back to the lookup, which would find the same blocks and fail again."""
         load = background.load
         ids = {b for targets in load.block_ids for b in targets}
         failed = ids & self._load_errors
@@ -253,10 +248,6 @@ class TieredOffloadWorker:
             self._recv_failed.add(load.req_id)
             shared.bump("load_errors", len(failed))
         self._recv_done.add(load.req_id)
-        if held:
-            self._stores_left[load.req_id] -= 1
-            if self._stores_left[load.req_id] == 0:
-                del self._stores_left[load.req_id]
 
     def _poll_background(self, shared: _Shared, results: list[Any]) -> None:
         """Book the background loads among ``results``, and abandon those still
@@ -283,7 +274,7 @@ class TieredOffloadWorker:
         background = self._background.pop(job_id)
         background.jobs.discard(job_id)
         if not background.jobs:
-            self._settle_background(shared, background, held=True)
+            self._settle_background(shared, background)
 
     def _submit(
         self, shared: _Shared, load: _Load, group_plan: _GroupPlan, *, layerwise: bool
