@@ -6,10 +6,14 @@ move. This module is that bookkeeping on its own: planning loads and stores, adm
 the cascade into lower tiers (``write_through``, ``on_evict``), verified claims and
 their prefetches, and the counters. It sees tiers only through
 :class:`~kvoffload.manager.OffloadingManager` and does not import torch: what it decides
-comes out as *orders* (a :class:`Write` into a tier, a :class:`LoadPlan`) for the data
-path to carry out, and their outcomes come back to be settled here. Data flows one way:
-books -> orders -> data path -> outcomes -> books. So cascade and admission can be
-tested on plain keys, with no thread and no tensor (``tests/test_books.py``).
+comes out as *orders* (a :class:`Write` into a tier, a :class:`LoadPlan`) that carry
+everything their job needs, and each job's outcome (:class:`~kvoffload.plans.WriteOutcome`,
+:class:`~kvoffload.plans.LoadOutcome`) comes back to :meth:`Books.settle`, which books
+it in one transaction (counters, breakers, the managers' completion, prefetches) and
+returns the next orders (cascade copies, a load's promotion). Data flows one way:
+books -> orders -> jobs -> outcomes -> books; a job never calls in here. So cascade and
+admission can be tested on plain keys, with no thread and no tensor
+(``tests/test_books.py``), and a job takes the lock twice: once planned, once settled.
 
 Every public method takes the lock itself, and is one transaction.
 """
@@ -29,17 +33,19 @@ from kvoffload.keys import BlockKey
 from kvoffload.manager import OffloadingManager
 from kvoffload.plans import (
     Copy,
+    LoadOutcome,
     LoadPlan,
+    Outcome,
     Prefetch,
     Run,
+    Tally,
     TierStats,
     Write,
+    WriteOutcome,
 )
 
 logger = logging.getLogger(__name__)
 
-LOAD_PRIORITY_WAIT_S: Final = 0.02
-"""Longest a copy into a persistent tier waits for in-flight loads to finish."""
 HIT_COUNTS: Final = 1 << 20
 """Keys whose load count the admission filter remembers (least recent forgotten)."""
 
@@ -70,8 +76,6 @@ class Books:
         self._depth = depth
         self._discard = discard
         self.lock = threading.Lock()
-        self._loads_done = threading.Condition(self.lock)
-        self._loads_active = 0
         self._hit_counts: OrderedDict[BlockKey, int] = OrderedDict()
         # Load counts serve only the admission filter: without one, nobody counts them.
         self._counting = any(c.admit_after_hits for c in self.configs)
@@ -85,12 +89,13 @@ class Books:
         self.load_timeout_s = load_timeout_s
         # Tiers whose books are their server's: asked before each lookup.
         self._server_booked = [t for t, m in enumerate(self.managers) if m.server_booked]
-        self.claims = Claims(self, budget, load_timeout_s)
-        self.prefetch_stats = self.claims.stats
         self.stats = [
             TierStats(c.name, c.backend, m.capacity, "first" if i == 0 else c.write_policy)
             for i, (m, c) in enumerate(zip(self.managers, self.configs, strict=True))
         ]
+        below = len(self.managers) > 1 and not self.persistent[0]
+        self.claims = Claims(self.managers, self.stats[0], budget, load_timeout_s, below=below)
+        self.prefetch_stats = self.claims.stats
 
     # -- lookups and plans ---------------------------------------------------------------
     def lookup(self, keys: Sequence[BlockKey]) -> int:
@@ -105,6 +110,12 @@ class Books:
         self._ask_servers(keys)
         with self.lock:
             return [len(self._locate([key])) == 1 for key in keys]
+
+    def locate(self, keys: Sequence[BlockKey]) -> list[int]:
+        """For the longest prefix of ``keys`` held ready: the fastest tier holding each
+        key (no server asked: what the books know now)."""
+        with self.lock:
+            return self._locate(keys)
 
     def resident(self, keys: Sequence[BlockKey]) -> int:
         """Length of the longest prefix of ``keys`` the first tier holds ready."""
@@ -133,10 +144,12 @@ class Books:
                 return
             rest = keys[self.managers[0].lookup(keys) :]
             asked = [t for t in self._server_booked if not self.bypassed(t)]
-        if not rest:
+        if not rest or not asked:
             return
-        for t in asked:
-            self.health(t, self.managers[t].refresh(rest))
+        answers = [(t, self.managers[t].refresh(rest)) for t in asked]
+        with self.lock:
+            for t, ok in answers:
+                self._health(t, ok)
 
     def plan_store(
         self, keys: Sequence[BlockKey], pool_ids: Sequence[int], now: float, after: Any = None
@@ -166,7 +179,7 @@ class Books:
                 submitted=now,
                 after=after,
             )
-            write.demote = self._wants_demotion(write)
+            self._ready_demotion(write)
             return write
 
     def plan_load(self, keys: Sequence[BlockKey]) -> LoadPlan:
@@ -193,19 +206,9 @@ class Books:
                     self.claims.left_first_tier(out.evicted)
             return plan
 
-    def load_submitted(self, plan: LoadPlan) -> None:
-        """A load of ``plan`` is about to be queued: persistent-tier copies yield to it."""
-        with self.lock:
-            if plan.settled:
-                raise ValueError("submit_load: this plan was already submitted or cancelled")
-            self._loads_active += 1
-
-    def cancel_load(self, plan: LoadPlan, *, submitted: bool = False) -> None:
+    def cancel_load(self, plan: LoadPlan) -> None:
         """Release a plan that will not be (or could not be) loaded; a miss."""
         with self.lock:
-            if submitted:
-                self._loads_active -= 1
-                self._loads_done.notify_all()
             if not plan.settled:
                 self._settle_load(plan, valid=0, corrupt={})
 
@@ -218,12 +221,18 @@ class Books:
         :meth:`prefetch_refused`)."""
         self._ask_servers(keys, owner)
         with self.lock:
-            return self.claims.claim(owner, keys)
+            bypassed = [t for t in range(1, len(self.managers)) if self.bypassed(t)]
+            plan, started = self.claims.claim(owner, keys, bypassed)
+            for p in started:
+                self._ready_demotion(p.write)
+            self._undo_cancelled()
+            return plan, started
 
     def prefetch_refused(self, p: Prefetch) -> None:
         """A prefetch whose job could not be queued: undo it (its owners ask again)."""
         with self.lock:
             self.claims.refused(p)
+            self._undo_cancelled()
 
     def narrow(self, plan: LoadPlan, start: int, stop: int) -> LoadPlan:
         """A plan for ``plan.keys[start:stop]`` (pinned), releasing ``plan`` quietly."""
@@ -252,183 +261,38 @@ class Books:
         waits for and that have not started (their reserved slots freed)."""
         with self.lock:
             self.claims.release(owner)
+            self._undo_cancelled()
 
     def prefetch_starts(self, p: Prefetch) -> bool:
         """A prefetch job begins: ``False`` if it was cancelled meanwhile (skip it)."""
         with self.lock:
-            if not self.claims.starts(p):
-                return False
-            self._loads_active += 1  # copies into persistent tiers wait for us too
-            return True
+            return self.claims.starts(p)
 
-    def settle_prefetch(self, p: Prefetch, seconds: float) -> None:
-        """Books for a prefetch job that ended (its write already settled)."""
+    # -- outcomes ----------------------------------------------------------------------
+    def settle(self, out: Outcome) -> list[Copy]:
+        """Book a job's outcome in one transaction: its I/O counters and the breakers
+        (its :class:`~kvoffload.plans.Tally`), then a write's blocks ready or dropped
+        and its source unpinned (and its prefetch settled), or a load's plan unpinned,
+        its corrupt blocks dropped and its hits counted. Returns the next orders: the
+        next tier's copies (``write_through``, ``on_evict``, ``admit_after_hits``) and a
+        load's promotion of the blocks it read from below."""
         with self.lock:
-            self._loads_active -= 1
-            self._loads_done.notify_all()
-            self.claims.settle(p, seconds)
-
-    # -- writes ------------------------------------------------------------------------
-    def yield_to_loads(self) -> None:
-        """Wait (briefly, bounded) while loads are in flight: a copy into a persistent
-        tier lets the disk serve the engine's loads first."""
-        with self.lock:
-            if self._loads_active:
-                self._loads_done.wait_for(lambda: self._loads_active == 0, LOAD_PRIORITY_WAIT_S)
-
-    def admitted_demotions(self, w: Write) -> list[tuple[BlockKey, int]]:
-        """The blocks ``w`` displaces that the next tier admits (for ``on_evict``)."""
-        with self.lock:
-            keys = self._admitted(w.tier + 1, [k for k, _ in w.evicted])
-        slot_of = dict(w.evicted)
-        return [(k, slot_of[k]) for k in keys]
-
-    def count_write(self, t: int, seconds: float) -> None:
-        with self.lock:
-            self.stats[t].write_seconds += seconds
-
-    def count_read(self, t: int, seconds: float, nbytes: int) -> None:
-        with self.lock:
-            stats = self.stats[t]
-            stats.read_seconds += seconds
-            stats.bytes_read += nbytes
-
-    def health(self, t: int, ok: bool) -> None:
-        """A read or write of tier ``t`` succeeded or failed (an I/O error, not a block
-        found invalid): feeds the tier's circuit breaker. Enough failures in a row
-        (``breaker_errors``) bypass the tier for ``breaker_backoff_ms``; when that has
-        passed, the next operation is the probe: a success closes the breaker, a
-        failure trips it again at once (the count is still over the limit)."""
-        with self.lock:
-            if ok:
-                self._failures[t] = 0
-                return
-            self._failures[t] += 1
-            cfg = self.configs[t]
-            now = time.monotonic()
-            tripped = cfg.breaker_errors and self._failures[t] >= cfg.breaker_errors
-            if tripped and now >= self._bypass_until[t]:
-                self._bypass_until[t] = now + cfg.breaker_backoff_ms / 1e3
-                self.stats[t].breaker_trips += 1
-                logger.warning(
-                    "tier %s: %d failed reads or writes in a row; bypassing it for %.1f s",
-                    self.configs[t].name,
-                    self._failures[t],
-                    cfg.breaker_backoff_ms / 1e3,
-                )
-
-    def bypassed(self, t: int) -> bool:
-        """Whether tier ``t``'s breaker is open now (call under the lock)."""
-        return t > 0 and time.monotonic() < self._bypass_until[t]
-
-    def settle_write(
-        self, w: Write, ok: list[bool], *, failed: bool, demoted: bool, written_buf: bool
-    ) -> tuple[list[Copy], bool]:
-        """Books for a finished write: ready or dropped, unpin the source, then the
-        cascade orders for the next tier.
-
-        ``written_buf``: the write's bytes sit in a buffer (row ``i`` for
-        ``w.keys[i]``); a write-through copy then takes that buffer over instead of
-        reading the blocks back from this tier. ``demoted``: the displaced blocks
-        ``w.evicted`` were read into a demotion buffer. Returns the orders, and whether
-        one took the written buffer over (the caller must then not release it)."""
-        with self.lock:
-            manager, stats = self.managers[w.tier], self.stats[w.tier]
-            if all(ok):
-                stored, lost = w.keys, []
-            else:
-                stored = [k for k, good in zip(w.keys, ok, strict=True) if good]
-                lost = [k for k, good in zip(w.keys, ok, strict=True) if not good]
-                manager.complete_store(lost, success=False)
-            manager.complete_store(stored, success=True)
-            if failed:
-                stats.store_errors += len(w.keys)
-            stats.blocks_stored += len(stored)
-            stats.bytes_written += len(stored) * self.bpb
-            elapsed = time.perf_counter() - w.submitted
-            stats.store_latency_s.append(elapsed)
-            avg = self._job_seconds[w.tier]
-            self._job_seconds[w.tier] = elapsed if avg == 0.0 else 0.8 * avg + 0.2 * elapsed
-            if w.src_tier is not None:
-                self.managers[w.src_tier].complete_load(w.keys)
-                if w.corrupt:  # they leave their tier for good
-                    self._drop_corrupt(w.src_tier, w.corrupt)
-            orders: list[Copy] = []
-            nxt = w.tier + 1
-            handed_on = False
-            if nxt < len(self.managers):
-                if demoted:
-                    copy = self._plan_copy(nxt, [k for k, _ in w.evicted], buffered=True)
-                    if copy is not None:
-                        orders.append(Copy(copy, "demoted"))
-                if stored and self.configs[nxt].write_policy == "write_through":
-                    admitted = self._admitted(nxt, stored)
-                    if admitted and written_buf:
-                        row = {k: i for i, k in enumerate(w.keys)}
-                        rows = [row[k] for k in admitted]
-                        copy = self._plan_copy(nxt, admitted, buffered=True, rows=rows)
-                        handed_on = True  # taken over, or released by the caller's order
-                        if copy is not None:
-                            orders.append(Copy(copy, "written"))
-                        else:
-                            handed_on = False
-                    elif admitted:
-                        copy = self._plan_copy(nxt, admitted, src_tier=w.tier)
-                        if copy is not None:
-                            orders.append(Copy(copy, "tier"))
-            return orders, handed_on
+            self._apply(out.tally)
+            if isinstance(out, LoadOutcome):
+                return self._settle_load_job(out)
+            orders = self._settle_write(out)
+            if out.prefetch is not None:
+                self.claims.settle(out.prefetch, out.seconds)
+            return orders
 
     def abort_write(self, w: Write) -> None:
         """Undo a write that never ran (its job was refused)."""
         with self.lock:
             self._abort_write(w)
 
-    # -- loads -------------------------------------------------------------------------
-    def promotion(self, plan: LoadPlan, valid: int, in_buf: list[bool]) -> Write | None:
-        """The first-tier write of a load's promoted blocks that are valid and in the
-        staging buffer (``write.rows``: their rows in it); the other reserved
-        promotion slots are freed."""
-        if not plan.promote_keys:
-            return None
-        pos = {k: i for i, k in enumerate(plan.keys)}
-        rows = [pos[k] for k in plan.promote_keys]
-        # Only blocks that went through the buffer can be written from it: one copied
-        # straight from a memory tier into the pool is not promoted (it is fast where it
-        # is).
-        keep = [i for i, r in enumerate(rows) if r < valid and in_buf[r]]
-        write = Write(
-            0,
-            [plan.promote_keys[i] for i in keep],
-            [plan.promote_slots[i] for i in keep],
-            rows=[rows[i] for i in keep],
-            evicted=plan.promote_evicted,
-            submitted=time.perf_counter(),
-        )
-        kept = set(keep)
-        dropped = [plan.promote_keys[i] for i in range(len(rows)) if i not in kept]
-        plan.promote_keys = []
-        with self.lock:
-            self.managers[0].complete_store(dropped, success=False)
-            self.stats[0].promotions += len(keep)
-            write.demote = self._wants_demotion(write)
-        return write
-
-    def settle_load(
-        self,
-        plan: LoadPlan,
-        valid: int,
-        corrupt: dict[int, list[BlockKey]],
-        submitted: float,
-    ) -> list[Copy]:
-        """Books for a finished load job: unpin, touch the loaded prefix, drop corrupt
-        blocks, count hits; returns the admission-triggered copies to queue."""
-        with self.lock:
-            self._loads_active -= 1
-            self._loads_done.notify_all()
-            orders = self._settle_load(plan, valid, corrupt)
-            deepest = max((r.tier for r in plan.runs), default=0)
-            self.stats[deepest].load_latency_s.append(time.perf_counter() - submitted)
-            return orders
+    def bypassed(self, t: int) -> bool:
+        """Whether tier ``t``'s breaker is open now (call under the lock)."""
+        return t > 0 and time.monotonic() < self._bypass_until[t]
 
     # -- introspection -----------------------------------------------------------------
     def pinned(self) -> list[int]:
@@ -440,6 +304,131 @@ class Books:
             return self.claims.counts()
 
     # -- under the lock ----------------------------------------------------------------
+    def _apply(self, tally: Tally) -> None:
+        """A job's I/O into the counters and the breakers."""
+        for t, seconds, nbytes in tally.reads:
+            stats = self.stats[t]
+            stats.read_seconds += seconds
+            stats.bytes_read += nbytes
+        for t, seconds in tally.writes:
+            self.stats[t].write_seconds += seconds
+        for t, ok in tally.health:
+            self._health(t, ok)
+
+    def _health(self, t: int, ok: bool) -> None:
+        """A read or write of tier ``t`` succeeded or failed (an I/O error, not a block
+        found invalid): feeds the tier's circuit breaker. Enough failures in a row
+        (``breaker_errors``) bypass the tier for ``breaker_backoff_ms``; when that has
+        passed, the next operation is the probe: a success closes the breaker, a
+        failure trips it again at once (the count is still over the limit)."""
+        if ok:
+            self._failures[t] = 0
+            return
+        self._failures[t] += 1
+        cfg = self.configs[t]
+        now = time.monotonic()
+        tripped = cfg.breaker_errors and self._failures[t] >= cfg.breaker_errors
+        if tripped and now >= self._bypass_until[t]:
+            self._bypass_until[t] = now + cfg.breaker_backoff_ms / 1e3
+            self.stats[t].breaker_trips += 1
+            logger.warning(
+                "tier %s: %d failed reads or writes in a row; bypassing it for %.1f s",
+                self.configs[t].name,
+                self._failures[t],
+                cfg.breaker_backoff_ms / 1e3,
+            )
+
+    def _settle_write(self, out: WriteOutcome) -> list[Copy]:
+        """A finished write: ready or dropped, unpin the source, then the cascade
+        orders for the next tier. A write whose bytes sit in a buffer (``out.buf``)
+        hands it to the write-through copy, instead of the copy reading the blocks
+        back from this tier; displaced blocks read into ``out.demoted`` go down
+        (``on_evict``)."""
+        w, ok = out.write, out.ok
+        manager, stats = self.managers[w.tier], self.stats[w.tier]
+        if all(ok):
+            stored, lost = w.keys, []
+        else:
+            stored = [k for k, good in zip(w.keys, ok, strict=True) if good]
+            lost = [k for k, good in zip(w.keys, ok, strict=True) if not good]
+            manager.complete_store(lost, success=False)
+        manager.complete_store(stored, success=True)
+        if out.failed:
+            stats.store_errors += len(w.keys)
+        stats.blocks_stored += len(stored)
+        stats.bytes_written += len(stored) * self.bpb
+        elapsed = time.perf_counter() - w.submitted
+        stats.store_latency_s.append(elapsed)
+        avg = self._job_seconds[w.tier]
+        self._job_seconds[w.tier] = elapsed if avg == 0.0 else 0.8 * avg + 0.2 * elapsed
+        if w.src_tier is not None:
+            self.managers[w.src_tier].complete_load(w.keys)
+            if out.corrupt:  # they leave their tier for good
+                self._drop_corrupt(w.src_tier, out.corrupt)
+        orders: list[Copy] = []
+        nxt = w.tier + 1
+        if nxt < len(self.managers):
+            if out.demoted is not None:
+                copy = self._plan_copy(nxt, out.evicted, buffered=True)
+                if copy is not None:
+                    orders.append(Copy(copy, "demoted"))
+            if stored and self.configs[nxt].write_policy == "write_through":
+                admitted = self._admitted(nxt, stored)
+                if admitted and out.buf is not None:
+                    row = {k: i for i, k in enumerate(w.keys)}
+                    rows = [row[k] for k in admitted]
+                    copy = self._plan_copy(nxt, admitted, buffered=True, rows=rows)
+                    if copy is not None:
+                        orders.append(Copy(copy, "written"))
+                elif admitted:
+                    copy = self._plan_copy(nxt, admitted, src_tier=w.tier)
+                    if copy is not None:
+                        orders.append(Copy(copy, "tier"))
+        return orders
+
+    def _settle_load_job(self, out: LoadOutcome) -> list[Copy]:
+        """A finished load job: its promotion first (the valid promoted blocks in its
+        staging buffer), then unpin, touch the loaded prefix, drop corrupt blocks,
+        count hits, and the admission-triggered copies."""
+        plan = out.plan
+        orders: list[Copy] = []
+        if out.buf is not None and out.error is None:
+            write = self._promotion(plan, out.valid, out.staged)
+            if write is not None:
+                orders.append(Copy(write, "loaded"))
+        orders += self._settle_load(plan, out.valid, out.corrupt)
+        deepest = max((r.tier for r in plan.runs), default=0)
+        self.stats[deepest].load_latency_s.append(time.perf_counter() - out.submitted)
+        return orders
+
+    def _promotion(self, plan: LoadPlan, valid: int, staged: list[bool]) -> Write | None:
+        """The first-tier write of a load's promoted blocks that are valid and in the
+        staging buffer (``write.rows``: their rows in it); the other reserved
+        promotion slots are freed."""
+        if not plan.promote_keys:
+            return None
+        pos = {k: i for i, k in enumerate(plan.keys)}
+        rows = [pos[k] for k in plan.promote_keys]
+        # Only blocks that went through the buffer can be written from it: one copied
+        # straight from a memory tier into the pool is not promoted (it is fast where it
+        # is).
+        keep = [i for i, r in enumerate(rows) if r < valid and staged[r]]
+        write = Write(
+            0,
+            [plan.promote_keys[i] for i in keep],
+            [plan.promote_slots[i] for i in keep],
+            rows=[rows[i] for i in keep],
+            evicted=plan.promote_evicted,
+            submitted=time.perf_counter(),
+        )
+        kept = set(keep)
+        dropped = [plan.promote_keys[i] for i in range(len(rows)) if i not in kept]
+        plan.promote_keys = []
+        self.managers[0].complete_store(dropped, success=False)
+        self.stats[0].promotions += len(keep)
+        self._ready_demotion(write)
+        return write
+
     def _locate(self, keys: Sequence[BlockKey]) -> list[int]:
         """For the longest held prefix: the index of the fastest tier holding each key."""
         # The first tier's ready prefix in one batched call (the usual whole answer).
@@ -478,14 +467,21 @@ class Books:
         self.stats[t].not_admitted += len(keys) - len(admitted)
         return admitted
 
-    def _wants_demotion(self, w: Write) -> bool:
-        """Whether the next tier takes ``w``'s displaced blocks (``on_evict``)."""
+    def _ready_demotion(self, w: Write) -> None:
+        """Decide, as ``w`` is planned, which of its displaced blocks go down: the next
+        tier's (``on_evict``) admitted ones. ``w.evicted`` is narrowed to them and
+        ``w.demote`` says whether there are any, so the job reads exactly those before
+        overwriting their slots, and asks nobody."""
         nxt = w.tier + 1
-        return (
-            bool(w.evicted)
-            and nxt < len(self.managers)
-            and self.configs[nxt].write_policy == "on_evict"
-        )
+        if not (
+            w.evicted and nxt < len(self.managers) and self.configs[nxt].write_policy == "on_evict"
+        ):
+            w.demote = False
+            return
+        admitted = set(self._admitted(nxt, [k for k, _ in w.evicted]))
+        if len(admitted) < len(w.evicted):
+            w.evicted = [e for e in w.evicted if e[0] in admitted]
+        w.demote = bool(w.evicted)
 
     def _plan_copy(
         self,
@@ -525,7 +521,7 @@ class Books:
             evicted=list(zip(out.evicted, out.evicted_slots, strict=True)),
             submitted=time.perf_counter(),
         )
-        write.demote = self._wants_demotion(write)
+        self._ready_demotion(write)
         if src_tier is not None:
             write.src_tier = src_tier
             write.src_slots = self.managers[src_tier].prepare_load(out.keys_to_store)
@@ -535,6 +531,11 @@ class Books:
         self.managers[w.tier].complete_store(w.keys, success=False)
         if w.src_tier is not None:
             self.managers[w.src_tier].complete_load(w.keys)
+
+    def _undo_cancelled(self) -> None:
+        """Undo the writes of the prefetches the claims just cancelled."""
+        for w in self.claims.cancelled():
+            self._abort_write(w)
 
     def _drop_corrupt(self, t: int, keys: Sequence[BlockKey]) -> None:
         """Drop blocks a read found invalid, so they stay misses after a restart. One

@@ -4,22 +4,23 @@ blocks up into the first tier, checked, before a hit is claimed.
 Part of :mod:`kvoffload.books`, under its lock: every method here is called by a
 :class:`~kvoffload.books.Books` method that holds it. Kept apart because it is a role of
 its own (owners waiting, prefetches in flight and their budget, the prefetch counters)
-and the books' store and load planning reads better without it.
+and the books' store and load planning reads better without it. It knows the books
+only by what they hand it (the tiers' managers, the first tier's counters, the tiers
+bypassed now) and hands back what the books must finish: the writes of cancelled
+prefetches to undo (:meth:`Claims.cancelled`), and the demotion of the blocks a new
+prefetch displaces (the books decide admission). It never calls back.
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Collection, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from kvoffload.keys import BlockKey
-from kvoffload.plans import LoadPlan, Prefetch, PrefetchStats, Run, Write
-
-if TYPE_CHECKING:
-    from kvoffload.books import Books
+from kvoffload.manager import OffloadingManager
+from kvoffload.plans import LoadPlan, Prefetch, PrefetchStats, Run, TierStats, Write
 
 
 @dataclass
@@ -35,10 +36,23 @@ class _Claim:
 class Claims:
     """Owners waiting on prefetches, prefetches in flight, and the prefetch counters.
     ``budget``: blocks in flight at most (``prefetch_max_inflight``, and half the first
-    tier)."""
+    tier). ``managers``: every tier's, the first one's ``first_stats`` counted here too
+    (evictions and promotions by prefetches); ``below``: whether there is a tier to
+    prefetch from (more than one, and a first tier that is not persistent)."""
 
-    def __init__(self, books: Books, budget: int, timeout_s: float = 10.0) -> None:
-        self._books = books
+    def __init__(
+        self,
+        managers: Sequence[OffloadingManager],
+        first_stats: TierStats,
+        budget: int,
+        timeout_s: float = 10.0,
+        *,
+        below: bool,
+    ) -> None:
+        self._managers = list(managers)
+        self._first_stats = first_stats
+        self._below = below
+        self._cancelled: list[Write] = []
         self.budget = budget
         self.timeout_s = timeout_s
         self.stats = PrefetchStats()
@@ -50,10 +64,10 @@ class Claims:
         self.inflight_blocks = 0
 
     def claim(
-        self, owner: Hashable, keys: Sequence[BlockKey]
+        self, owner: Hashable, keys: Sequence[BlockKey], bypassed: Collection[int] = ()
     ) -> tuple[LoadPlan | None, list[Prefetch]]:
-        """See :meth:`Books.claim`."""
-        b = self._books
+        """See :meth:`Books.claim`; no prefetch from the tiers in ``bypassed``. The
+        books finish each new prefetch's demotion."""
         max_rounds = 2 + -(-len(keys) // self.budget)
         cl = self._claims.get(owner)
         if cl is not None and any(not p.done for p in cl.waits):
@@ -67,11 +81,10 @@ class Claims:
         if cl is None:
             cl = self._claims[owner] = _Claim()
         cl.waits = []
-        first = b.managers[0]
+        first = self._managers[0]
         ready = first.lookup(keys)
-        below = len(b.managers) > 1 and not b.persistent[0]
-        if below and cl.rounds < max_rounds:
-            waits, started, starved = self._start(keys, ready)
+        if self._below and cl.rounds < max_rounds:
+            waits, started, starved = self._start(keys, ready, bypassed)
             if started:
                 cl.rounds += 1
             if waits or starved:
@@ -97,7 +110,7 @@ class Claims:
             return
         p.done = True
         self._landed(p, [])
-        self._books._abort_write(p.write)
+        self._cancelled.append(p.write)
         self.stats.failed += len(p.write.keys)
 
     def release(self, owner: Hashable) -> None:
@@ -114,7 +127,7 @@ class Claims:
             if not p.waiters and not p.started and not p.done:
                 p.done = True
                 self._landed(p, [])
-                self._books._abort_write(p.write)
+                self._cancelled.append(p.write)
                 self.stats.wasted += len(p.write.keys)
         cl.waits = []
 
@@ -125,19 +138,24 @@ class Claims:
         p.started = True
         return True
 
+    def cancelled(self) -> list[Write]:
+        """The writes of prefetches cancelled since the last call, for the books to
+        undo (free their reserved slots, unpin their sources)."""
+        writes, self._cancelled = self._cancelled, []
+        return writes
+
     def settle(self, p: Prefetch, seconds: float) -> None:
         """A prefetch job ended (its write already settled)."""
-        b = self._books
-        first = b.managers[0]
+        first = self._managers[0]
         landed = [k for k in p.write.keys if first.ready(k)]
         p.done = True
         self._landed(p, landed)
         # A prefetch is a use of the source block: keep it warm in its tier, so the disk
         # copy outlives the cpu copy that a hit will soon evict.
         assert p.write.src_tier is not None
-        b.managers[p.write.src_tier].touch(landed)
+        self._managers[p.write.src_tier].touch(landed)
         self.stats.prefetched += len(landed)
-        b.stats[0].promotions += len(landed)
+        self._first_stats.promotions += len(landed)
         self.stats.failed += len(p.write.keys) - len(landed)
         self.stats.seconds += seconds
 
@@ -167,13 +185,13 @@ class Claims:
         return sources
 
     def _start(
-        self, keys: Sequence[BlockKey], ready: int
+        self, keys: Sequence[BlockKey], ready: int, bypassed: Collection[int]
     ) -> tuple[list[Prefetch], list[Prefetch], bool]:
         """Plan prefetches for the blocks after the first tier's ready prefix that a
         lower tier holds. Returns the prefetches this prefix waits for (new and already
         in flight), the new ones, and whether some could not start for want of budget
         while others are in flight (then: wait too)."""
-        first = self._books.managers[0]
+        first = self._managers[0]
         waits: dict[int, Prefetch] = {}
         want: list[tuple[int, BlockKey]] = []
         for key in keys[ready:]:
@@ -188,8 +206,8 @@ class Claims:
             below = next(
                 (
                     t
-                    for t in range(1, len(self._books.managers))
-                    if self._books.managers[t].ready(key) and not self._books.bypassed(t)
+                    for t in range(1, len(self._managers))
+                    if self._managers[t].ready(key) and t not in bypassed
                 ),
                 None,
             )
@@ -217,22 +235,21 @@ class Claims:
     def _prefetch(self, t: int, keys: list[BlockKey]) -> Prefetch | None:
         """Reserve first-tier slots for ``keys`` (held by tier ``t``) and pin them in
         ``t``; ``None`` when the first tier has no room."""
-        out = self._books.managers[0].prepare_store(keys)
+        out = self._managers[0].prepare_store(keys)
         if out is None:
             self.stats.failed += len(keys)
             return None
-        self._books.stats[0].evictions += len(out.evicted)
+        self._first_stats.evictions += len(out.evicted)
         self.left_first_tier(out.evicted)
         write = Write(
             0,
             out.keys_to_store,
             out.slots,
             src_tier=t,
-            src_slots=self._books.managers[t].prepare_load(out.keys_to_store),
+            src_slots=self._managers[t].prepare_load(out.keys_to_store),
             evicted=list(zip(out.evicted, out.evicted_slots, strict=True)),
             submitted=time.perf_counter(),
         )
-        write.demote = self._books._wants_demotion(write)
         p = Prefetch(write)
         for key in write.keys:
             self._inflight[key] = p
@@ -249,5 +266,5 @@ class Claims:
             assert p.write.src_tier is not None
             self._prefetched[key] = p.write.src_tier
             self._prefetched.move_to_end(key)
-        while len(self._prefetched) > self._books.managers[0].capacity:
+        while len(self._prefetched) > self._managers[0].capacity:
             self._prefetched.popitem(last=False)

@@ -1,22 +1,29 @@
-"""The Offloader's jobs: what runs on the lane threads, joining books and data path.
+"""The Offloader's jobs: what runs on the lane threads, moving one order's bytes.
 
-Each job takes an order from :mod:`kvoffload.books` (a write into a tier, a load plan, a
-prefetch), moves its bytes through :mod:`kvoffload.datapath` and the tiers' backends,
-and hands the outcome back to the books, queueing the cascade copies the books order
-in return. It holds no state of its own beyond references to those parts: the facade
-(:mod:`kvoffload.offloader`) submits jobs, the books keep the state.
+Each job takes one order from :mod:`kvoffload.books` (a :class:`~kvoffload.plans.Write`
+into a tier, a :class:`~kvoffload.plans.LoadPlan`), moves its bytes through
+:mod:`kvoffload.datapath` and the tiers' backends, and returns one outcome
+(:class:`~kvoffload.plans.WriteOutcome`, :class:`~kvoffload.plans.LoadOutcome`): what
+landed, what proved corrupt, its I/O's times and health, and the buffers the next
+orders may take over. It never calls the books: the order carries everything it needs,
+and the facade (:mod:`kvoffload.offloader`) hands the outcome to ``Books.settle`` and
+queues the orders that come back (:meth:`Jobs.stage` cuts their bytes out of the
+outcome's buffers). So a job runs, and is tested, on real tiers and a real pool with
+no books at all (``tests/test_jobs.py``). It holds no state of its own beyond
+references to those parts, and :class:`LoadsInFlight`, through which copies into a
+persistent tier let the engine's loads go first.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Final
 
 import torch
 
-from kvoffload.books import Books
 from kvoffload.config import TierConfig
 from kvoffload.datapath import (
     DataPath,
@@ -29,9 +36,9 @@ from kvoffload.datapath import (
 )
 from kvoffload.exceptions import BackendError
 from kvoffload.keys import BlockKey
-from kvoffload.plans import Copy, LoadPlan, Prefetch, Write
+from kvoffload.plans import Copy, LoadOutcome, LoadPlan, Tally, Write, WriteOutcome
 from kvoffload.tier import Tier
-from kvoffload.transfer import JobResult, TransferWorker
+from kvoffload.transfer import JobResult
 
 logger = logging.getLogger(__name__)
 
@@ -39,59 +46,88 @@ DIRECT_MIN_BYTES = 1 << 20
 """Blocks from this size up are copied between a memory tier and the pool run by run
 of consecutive slots however scattered; smaller ones only when the runs are few (one
 call per run costs tens of microseconds on the host)."""
+LOAD_PRIORITY_WAIT_S: Final = 0.02
+"""Longest a copy into a persistent tier waits for in-flight loads to finish."""
+
+
+class LoadsInFlight:
+    """Loads (and prefetches) running now, so that a copy into a persistent tier can
+    let the disk serve them first (:meth:`wait`, bounded). Its own small lock, not the
+    books': it is a courtesy between lanes, not bookkeeping."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._active = 0
+
+    def begin(self) -> None:
+        with self._cond:
+            self._active += 1
+
+    def end(self) -> None:
+        with self._cond:
+            self._active -= 1
+            if not self._active:
+                self._cond.notify_all()
+
+    def wait(self, timeout: float = LOAD_PRIORITY_WAIT_S) -> None:
+        """Wait while loads are in flight, ``timeout`` at most."""
+        if not self._active:  # a hint read without the lock: at worst one wait skipped
+            return
+        with self._cond:
+            self._cond.wait_for(lambda: self._active == 0, timeout)
+
+    @property
+    def active(self) -> int:
+        return self._active
 
 
 class Jobs:
-    """Job bodies over ``tiers`` (see the module docstring); ``workers[t]`` is tier
-    ``t``'s lanes."""
+    """Job bodies over ``tiers`` (see the module docstring). A read slower than
+    ``load_timeout_s`` counts as a failure of its tier (for the breaker)."""
 
     def __init__(
         self,
         tiers: list[Tier],
         configs: list[TierConfig],
-        books: Books,
         data: DataPath,
-        workers: list[TransferWorker],
+        *,
+        load_timeout_s: float = 10.0,
+        loads: LoadsInFlight | None = None,
     ) -> None:
         self.tiers = tiers
         self.tier_configs = configs
-        self._books = books
         self._data = data
         self._buffers = data.buffers
-        self._workers = workers
+        self.load_timeout_s = load_timeout_s
+        self.loads = loads if loads is not None else LoadsInFlight()
         self.bpb = data.bpb
 
-    # -- orders from the books -----------------------------------------------------------
-    def queue(
-        self,
-        orders: list[Copy],
-        written: torch.Tensor | None = None,
-        demoted: torch.Tensor | None = None,
-    ) -> None:
-        """Queue cascade copies on their tiers' store lanes. An order whose bytes are in
-        the written or the demotion buffer gets its rows cut from it; this call owns
-        both buffers (an order takes one over, or it is released here)."""
-        sources = {"written": written, "demoted": demoted}
+    # -- the next orders' bytes ----------------------------------------------------------
+    def stage(self, orders: list[Copy], sources: dict[str, Any]) -> None:
+        """Give each order whose bytes are in one of an outcome's buffers (``sources``,
+        by :attr:`Copy.source`: ``written``, ``demoted``, ``loaded``) its rows of it, as
+        ``write.buf``; release the buffers no order took over. This call owns the
+        buffers in ``sources``; each order's ``buf`` is then the order's (released by
+        its write, or by :meth:`release` if it never runs)."""
+        left = dict(sources)
         for order in orders:
             w = order.write
-            src = sources.get(order.source)
-            if src is not None:
-                assert w.rows is not None
-                w.buf = self._cut(src, w.rows, keep=True)
-                if w.buf.data_ptr() == src.data_ptr():
-                    sources[order.source] = None  # taken over by the order
-                    src = None
-            job = self._workers[w.tier].submit_store(
-                lambda w=w: self.write(w),  # type: ignore[misc]
-                ignore_result,
-            )
-            if job is None:
-                self._books.abort_write(w)
-                if w.buf is not None:
-                    self._buffers.release(w.buf)
-        for left in sources.values():
-            if left is not None:
-                self._buffers.release(left)
+            src = left.get(order.source)
+            if src is None or not w.keys:
+                continue
+            assert w.rows is not None
+            w.buf = self._cut(src, w.rows, keep=True)
+            if w.buf.data_ptr() == src.data_ptr():
+                left[order.source] = None  # taken over by the order
+        for buf in left.values():
+            if buf is not None:
+                self._buffers.release(buf)
+
+    def release(self, w: Write) -> None:
+        """Release the buffer of an order that will not run."""
+        if w.buf is not None:
+            self._buffers.release(w.buf)
+            w.buf = None
 
     def _cut(self, buf: torch.Tensor, rows: list[int], *, keep: bool) -> torch.Tensor:
         """``buf``'s ``rows``, in that order: ``buf``'s own leading rows when they are
@@ -104,9 +140,10 @@ class Jobs:
         return sub
 
     # -- the store path (job bodies run on lane threads) -------------------------------
-    def write(self, w: Write, gate: StoreGate | None = None) -> int:
-        """Fill the tier from the write's source, after reading out what it displaces;
-        then settle the books and queue the next tier's copies.
+    def write(self, w: Write, gate: StoreGate | None = None) -> WriteOutcome:
+        """Fill the tier from the write's source, after reading out what it displaces
+        (``w.evicted``, when ``w.demote``); the outcome, whatever happened (an exception
+        is in ``error``, for the caller to raise once it is settled).
 
         ``gate`` (an engine store's): entered before the engine's blocks are read and
         released once they are, so the engine can take them back before a slow tier
@@ -115,90 +152,93 @@ class Jobs:
         One copy where the tier or the source is plain memory (:meth:`_pieces`): the
         engine's blocks are gathered straight into the tier's rows, a prefetch reads
         straight into them, and a copy down reads straight out of the tier above.
-        Otherwise the bytes go through one staging buffer."""
-        tier, bpb = self.tiers[w.tier], self.bpb
+        Otherwise the bytes go through one staging buffer, which the outcome hands on
+        (``buf``) for a write-through copy into the next tier."""
         n = len(w.keys)
-        buf: torch.Tensor | None = w.buf
-        demote_buf: torch.Tensor | None = None
-        ok = [True] * n
-        written = False
+        out = WriteOutcome(w, [True] * n)
         try:
-            if n and tier.backend.persistent and w.tier > 0:
-                self._books.yield_to_loads()
-            into = self._pieces(w.tier, w.slots) if buf is None and n else None
-            src_tier = w.src_tier if w.pool_ids is None else None
-            out_of = (
-                self._pieces(src_tier, w.src_slots)
-                if buf is None and n and into is None and src_tier is not None
-                else None
-            )
-            if into is not None or out_of is not None:
-                # Straight into (or out of) a tier's rows: read what they displace first.
-                demote_buf = self._read_evicted(w)
-                t0 = time.perf_counter()
-                if into is not None and w.pool_ids is not None:
-                    self._pack(w, into, gate)
-                elif into is not None:
-                    assert w.src_tier is not None
-                    assert w.src_slots is not None
-                    got = self._read_pieces(w.src_tier, w.src_slots, w.keys, into)
-                    ok = got if got is not None else [False] * n
-                    if got is not None:
-                        w.corrupt = [k for k, good in zip(w.keys, got, strict=True) if not good]
-                else:
-                    assert out_of is not None
-                    for pos, rows in out_of:
-                        count = rows.shape[0]
-                        tier.backend.write(
-                            w.slots[pos : pos + count], w.keys[pos : pos + count], rows
-                        )
-                seconds = time.perf_counter() - t0
-                if into is None:
-                    seconds += self._throttle(w.tier, n * bpb, seconds)
-                self._books.count_write(w.tier, seconds)
-                written = True
-                return sum(ok) * bpb
-            if buf is None and n:
-                buf = self._buffers.acquire(n)
-                if w.pool_ids is not None:
-                    self._pack(w, [(0, buf)], gate)
-                else:
-                    assert w.src_tier is not None
-                    assert w.src_slots is not None
-                    got = self._read(w.src_tier, w.src_slots, w.keys, buf)
-                    ok = got if got is not None else [False] * n
-                    if got is not None:
-                        w.corrupt = [k for k, good in zip(w.keys, got, strict=True) if not good]
-            demote_buf = self._read_evicted(w)
-            good = [i for i in range(n) if ok[i]]
-            if good:
-                assert buf is not None
-                src = buf if len(good) == n else buf[torch.tensor(good)]
-                t0 = time.perf_counter()
-                tier.backend.write(
-                    [w.slots[i] for i in good], [w.keys[i] for i in good], src.contiguous()
-                )
-                seconds = time.perf_counter() - t0
-                seconds += self._throttle(w.tier, len(good) * bpb, seconds)
-                self._books.count_write(w.tier, seconds)
-            written = True
+            self._write(w, gate, out)
+        except BaseException as exc:  # settled all the same, then raised by the caller
+            out.error = exc
+            out.failed = True
+            out.ok = [False] * n
+            if out.buf is not None:
+                self._buffers.release(out.buf)
+                out.buf = None
         finally:
             if gate is not None:
                 gate.release()
-            if w.tier > 0 and n:  # a lower tier's write raised, or went through
-                self._books.health(w.tier, written)
-            has_buf = buf is not None and n > 0 and written
-            orders, handed_on = self._books.settle_write(
-                w,
-                ok if written else [False] * n,
-                failed=not written,
-                demoted=demote_buf is not None,
-                written_buf=has_buf,
+        if w.tier > 0 and n:  # a lower tier's write raised, or went through
+            out.tally.health.append((w.tier, not out.failed))
+        return out
+
+    def _write(self, w: Write, gate: StoreGate | None, out: WriteOutcome) -> None:
+        tier, bpb = self.tiers[w.tier], self.bpb
+        n = len(w.keys)
+        if n and tier.backend.persistent and w.tier > 0:
+            self.loads.wait()
+        buf: torch.Tensor | None = w.buf
+        w.buf = None
+        if buf is not None:
+            out.buf = buf  # the outcome owns it from here on
+        into = self._pieces(w.tier, w.slots) if buf is None and n else None
+        src_tier = w.src_tier if w.pool_ids is None else None
+        out_of = (
+            self._pieces(src_tier, w.src_slots)
+            if buf is None and n and into is None and src_tier is not None
+            else None
+        )
+        if into is not None or out_of is not None:
+            # Straight into (or out of) a tier's rows: read what they displace first.
+            self._read_evicted(w, out)
+            t0 = time.perf_counter()
+            if into is not None and w.pool_ids is not None:
+                self._pack(w, into, gate)
+            elif into is not None:
+                assert w.src_tier is not None
+                assert w.src_slots is not None
+                got = self._read_pieces(w.src_tier, w.src_slots, w.keys, into, out.tally)
+                self._verified(out, got)
+            else:
+                assert out_of is not None
+                for pos, rows in out_of:
+                    count = rows.shape[0]
+                    tier.backend.write(w.slots[pos : pos + count], w.keys[pos : pos + count], rows)
+            seconds = time.perf_counter() - t0
+            if into is None:
+                seconds += self._throttle(w.tier, n * bpb, seconds)
+            out.tally.writes.append((w.tier, seconds))
+            return
+        if buf is None and n:
+            buf = out.buf = self._buffers.acquire(n)
+            if w.pool_ids is not None:
+                self._pack(w, [(0, buf)], gate)
+            else:
+                assert w.src_tier is not None
+                assert w.src_slots is not None
+                got = self._read(w.src_tier, w.src_slots, w.keys, buf, out.tally)
+                self._verified(out, got)
+        self._read_evicted(w, out)
+        good = [i for i in range(n) if out.ok[i]]
+        if good:
+            assert buf is not None
+            src = buf if len(good) == n else buf[torch.tensor(good)]
+            t0 = time.perf_counter()
+            tier.backend.write(
+                [w.slots[i] for i in good], [w.keys[i] for i in good], src.contiguous()
             )
-            self.queue(orders, buf if handed_on else None, demote_buf)
-            if buf is not None and n and not handed_on:
-                self._buffers.release(buf)
-        return sum(ok) * bpb
+            seconds = time.perf_counter() - t0
+            seconds += self._throttle(w.tier, len(good) * bpb, seconds)
+            out.tally.writes.append((w.tier, seconds))
+
+    @staticmethod
+    def _verified(out: WriteOutcome, got: list[bool] | None) -> None:
+        """The source read's per-block validity into the outcome (``None``: an I/O
+        error, every block lost but none proven corrupt)."""
+        keys = out.write.keys
+        out.ok = got if got is not None else [False] * len(keys)
+        if got is not None:
+            out.corrupt = [k for k, good in zip(keys, got, strict=True) if not good]
 
     def _pack(self, w: Write, into: Sequence[Piece], gate: StoreGate | None) -> None:
         """Gather the engine's blocks of ``w`` into ``into``, unless the engine has
@@ -235,41 +275,48 @@ class Jobs:
         return pieces
 
     def _read_pieces(
-        self, t: int, slots: Sequence[int], keys: Sequence[BlockKey], into: Sequence[Piece]
+        self,
+        t: int,
+        slots: Sequence[int],
+        keys: Sequence[BlockKey],
+        into: Sequence[Piece],
+        tally: Tally,
     ) -> list[bool] | None:
         """Read ``slots`` of tier ``t`` straight into ``into``'s rows: per-block
         validity, or ``None`` after an I/O error (as :meth:`_read`)."""
         ok: list[bool] = []
         for pos, rows in into:
             count = rows.shape[0]
-            got = self._read(t, slots[pos : pos + count], keys[pos : pos + count], rows)
+            got = self._read(t, slots[pos : pos + count], keys[pos : pos + count], rows, tally)
             if got is None:
                 return None
             ok.extend(got)
         return ok
 
-    def _read_evicted(self, w: Write) -> torch.Tensor | None:
-        """Read the blocks a write displaces, for ``on_evict`` demotion (before the
-        write overwrites their slots); ``None`` if the next tier does not want them (or
-        they cannot be read). Narrows ``w.evicted`` to the blocks read."""
-        if not w.demote:
-            return None
-        w.evicted = self._books.admitted_demotions(w)
-        if not w.evicted:
-            return None
+    def _read_evicted(self, w: Write, out: WriteOutcome) -> None:
+        """Read the blocks a write displaces that the next tier takes (``w.evicted``,
+        when ``w.demote``: decided when the write was planned), before the write
+        overwrites their slots, into ``out.demoted`` (those read: ``out.evicted``);
+        nothing if there are none, or none could be read."""
+        if not w.demote or not w.evicted:
+            return
         keys = [k for k, _ in w.evicted]
         buf = self._buffers.acquire(len(keys))
-        got = self._read(w.tier, [s for _, s in w.evicted], keys, buf)
+        try:
+            got = self._read(w.tier, [s for _, s in w.evicted], keys, buf, out.tally)
+        except BaseException:
+            self._buffers.release(buf)
+            raise
         ok = got if got is not None else [False] * len(keys)
         if not all(ok):
-            w.evicted = [e for e, good in zip(w.evicted, ok, strict=True) if good]
-            if not w.evicted:
+            keys = [k for k, good in zip(keys, ok, strict=True) if good]
+            if not keys:
                 self._buffers.release(buf)
-                return None
+                return
             demote = self._cut(buf, [i for i, good in enumerate(ok) if good], keep=False)
             self._buffers.release(buf)
             buf = demote
-        return buf
+        out.demoted, out.evicted = buf, keys
 
     def _throttle(self, t: int, nbytes: int, seconds: float) -> float:
         rate = self.tier_configs[t].write_throttle
@@ -288,9 +335,11 @@ class Jobs:
         slots: Sequence[int],
         keys: Sequence[BlockKey],
         buf: torch.Tensor,
+        tally: Tally,
     ) -> list[bool] | None:
         """Read into ``buf``: per-block validity, or ``None`` after an I/O error (a
-        miss, but no proof the stored blocks are bad, so they are not dropped)."""
+        miss, but no proof the stored blocks are bad, so they are not dropped). Its
+        time, bytes and health go into ``tally``."""
         t0 = time.perf_counter()
         ok: list[bool] | None
         try:
@@ -302,25 +351,12 @@ class Jobs:
             ok = None
         seconds = time.perf_counter() - t0
         nbytes = sum(ok) * self.bpb if ok is not None else 0
-        self._books.count_read(t, seconds, nbytes)
+        tally.reads.append((t, seconds, nbytes))
         if t > 0:
             # A read slower than the load timeout failed whoever waited for it: it
             # counts against the tier, so a hanging disk trips the breaker too.
-            self._books.health(t, ok is not None and seconds <= self._books.load_timeout_s)
+            tally.health.append((t, ok is not None and seconds <= self.load_timeout_s))
         return ok
-
-    def prefetch(self, p: Prefetch) -> int:
-        """Job body: copy the blocks up (the write reads and verifies its source, drops
-        what is corrupt from it, and makes the rest ready in the first tier)."""
-        if not self._books.prefetch_starts(p):
-            return 0  # cancelled before it ran
-        t0 = time.perf_counter()
-        nbytes = 0
-        try:
-            nbytes = self.write(p.write)
-        finally:
-            self._books.settle_prefetch(p, time.perf_counter() - t0)
-        return nbytes
 
     def load(
         self,
@@ -331,60 +367,66 @@ class Jobs:
         *,
         layers: LayerProgress | None = None,
         gate: LoadGate | None = None,
-    ) -> int:
+    ) -> LoadOutcome:
         """Job body: read the plan's lower-tier runs into one staging buffer (checking
         each block), then copy the valid prefix into the pool in one go: memory-tier
         runs straight from their rows, the rest from the buffer. With ``layers`` the
         copy goes layer by layer, reporting each (a layer-wise load); ``layers`` is
         finished however the job ends, so nobody waits on it past the job. With
         ``gate``, nothing is copied into the pool once the engine has abandoned the
-        load (it recomputes those blocks)."""
-        n = plan.hits
-        buf: torch.Tensor | None = None
-        corrupt: dict[int, list[BlockKey]] = {}
-        valid = 0
-        handed_on = False
-        try:  # everything after the plan was pinned: the finally settles it
-            direct = [self._pieces(run.tier, run.slots) for run in plan.runs]
-            in_buf = [False] * n  # positions read into the staging buffer
-            for run, pieces in zip(plan.runs, direct, strict=True):
-                if pieces is None:
-                    in_buf[run.start : run.stop] = [True] * (run.stop - run.start)
-            buf = self._buffers.acquire(n) if any(in_buf) else None
-            copies: list[Piece] = []
-            from_memory: list[tuple[int, int]] = []  # (tier, blocks) copied from rows
-            for run, pieces in zip(plan.runs, direct, strict=True):
-                if pieces is not None:  # one copy: the tier's memory -> the pool
-                    copies.extend((run.start + pos, rows) for pos, rows in pieces)
-                    from_memory.append((run.tier, run.stop - run.start))
-                    valid = run.stop
-                    continue
-                assert buf is not None
-                keys = plan.keys[run.start : run.stop]
-                part = self._read(run.tier, run.slots, keys, buf[run.start : run.stop])
-                if part is None:
-                    break  # an I/O error: the prefix ends here
-                bad = [k for k, good in zip(keys, part, strict=True) if not good]
-                good_stop = run.start + part.index(False) if bad else run.stop
-                if good_stop > run.start:
-                    copies.append((run.start, buf[run.start : good_stop]))
-                valid = good_stop
-                if bad:
-                    corrupt.setdefault(run.tier, []).extend(bad)
-                    break
-            if gate is not None and not gate.enter():
-                valid = 0  # abandoned: the engine recomputes these blocks meanwhile
-            valid = self._copy_in(pool_ids, copies, valid, from_memory, after, layers=layers)
-            if buf is not None:
-                handed_on = self._promote(plan, buf, valid, in_buf)
+        load (it recomputes those blocks). The outcome, whatever happened (an exception
+        is in ``error``); its staging buffer (``buf``) goes on to the promotion of the
+        blocks read from below."""
+        out = LoadOutcome(plan, submitted)
+        try:
+            self._load(out, pool_ids, after, layers, gate)
+        except BaseException as exc:  # settled all the same, then raised by the caller
+            out.error = exc
         finally:
             if layers is not None:
                 layers.finish()
-            orders = self._books.settle_load(plan, valid, corrupt, submitted)
-            self.queue(orders)
-            if buf is not None and not handed_on:
-                self._buffers.release(buf)
-        return valid * self.bpb
+        return out
+
+    def _load(
+        self,
+        out: LoadOutcome,
+        pool_ids: list[int],
+        after: Any,
+        layers: LayerProgress | None,
+        gate: LoadGate | None,
+    ) -> None:
+        plan, n = out.plan, out.plan.hits
+        direct = [self._pieces(run.tier, run.slots) for run in plan.runs]
+        staged = out.staged = [False] * n  # positions read into the staging buffer
+        for run, pieces in zip(plan.runs, direct, strict=True):
+            if pieces is None:
+                staged[run.start : run.stop] = [True] * (run.stop - run.start)
+        buf = out.buf = self._buffers.acquire(n) if any(staged) else None
+        copies: list[Piece] = []
+        from_memory: list[tuple[int, int]] = []  # (tier, blocks) copied from rows
+        valid = 0
+        for run, pieces in zip(plan.runs, direct, strict=True):
+            if pieces is not None:  # one copy: the tier's memory -> the pool
+                copies.extend((run.start + pos, rows) for pos, rows in pieces)
+                from_memory.append((run.tier, run.stop - run.start))
+                valid = run.stop
+                continue
+            assert buf is not None
+            keys = plan.keys[run.start : run.stop]
+            part = self._read(run.tier, run.slots, keys, buf[run.start : run.stop], out.tally)
+            if part is None:
+                break  # an I/O error: the prefix ends here
+            bad = [k for k, good in zip(keys, part, strict=True) if not good]
+            good_stop = run.start + part.index(False) if bad else run.stop
+            if good_stop > run.start:
+                copies.append((run.start, buf[run.start : good_stop]))
+            valid = good_stop
+            if bad:
+                out.corrupt.setdefault(run.tier, []).extend(bad)
+                break
+        if gate is not None and not gate.enter():
+            valid = 0  # abandoned: the engine recomputes these blocks meanwhile
+        out.valid = self._copy_in(pool_ids, copies, valid, from_memory, after, out.tally, layers)
 
     def _copy_in(
         self,
@@ -393,7 +435,7 @@ class Jobs:
         valid: int,
         from_memory: list[tuple[int, int]],
         after: Any,
-        *,
+        tally: Tally,
         layers: LayerProgress | None = None,
     ) -> int:
         """Copy the pieces of the valid prefix into the pool; the prefix loaded (0 when
@@ -414,27 +456,8 @@ class Jobs:
         if from_memory:
             seconds = (time.perf_counter() - t0) / len(from_memory)
             for t, count in from_memory:
-                self._books.count_read(t, seconds, count * self.bpb)
+                tally.reads.append((t, seconds, count * self.bpb))
         return valid
-
-    def _promote(self, plan: LoadPlan, buf: torch.Tensor, valid: int, in_buf: list[bool]) -> bool:
-        """Queue the write of the valid promoted blocks into their reserved first-tier
-        slots, on the first tier's store lane: the load is done once the blocks are in
-        the pool, and the engine must not wait for a copy it does not need. The blocks
-        are in the staging buffer now and nowhere else fast: when they are its leading
-        rows (all of a load from below, the usual case) the write takes the buffer over
-        (``True``: the caller must not release it); otherwise they are copied out."""
-        write = self._books.promotion(plan, valid, in_buf)
-        if write is None:
-            return False
-        handed_on = False
-        if write.keys:
-            assert write.rows is not None
-            write.buf = self._cut(buf, write.rows, keep=True)
-            handed_on = write.buf.data_ptr() == buf.data_ptr()
-        if self._workers[0].submit_store(lambda: self.write(write), ignore_result) is None:
-            self.write(write)  # the lane is full or closing: write it here
-        return handed_on
 
 
 def ignore_result(result: JobResult) -> None:

@@ -4,9 +4,12 @@ Engines and the CLI call it; it owns the tiers (each a backend plus its manager)
 one :class:`~kvoffload.transfer.TransferWorker` per tier. It is a thin facade over two
 parts with one role each: :mod:`kvoffload.books` decides what moves where (under one
 lock that is never held while bytes move) and :mod:`kvoffload.datapath` moves the
-bytes; :mod:`kvoffload.jobs` holds the job bodies that join them on the lane threads
-(orders from the books go to the data path and the backends, outcomes go back to the
-books). This module is the engine-facing API over those parts.
+bytes; :mod:`kvoffload.jobs` holds the job bodies that run on the lane threads, each
+carrying out one order and returning one outcome. This module is the engine-facing
+API over those parts, and the loop that joins them: an order goes to a lane, its job
+returns an outcome, ``Books.settle`` books it and returns the next orders, which go to
+their lanes (:meth:`Offloader._settle`). So a job takes the books' lock twice, once
+planned and once settled.
 
 Store path (``submit_store``). The engine's blocks are gathered from the
 :class:`~kvoffload.blockpool.BlockPool` into the first tier, on that tier's store lane.
@@ -52,11 +55,12 @@ from kvoffload.blockpool import BlockPool
 from kvoffload.books import Books
 from kvoffload.config import KVOffloadConfig, TierConfig
 from kvoffload.datapath import DataPath, LayerProgress, LoadGate, StoreGate
-from kvoffload.jobs import Jobs, ignore_result
+from kvoffload.jobs import Jobs, LoadsInFlight, ignore_result
 from kvoffload.keys import BlockKey
 from kvoffload.layout import KVLayout
 from kvoffload.manager import OffloadingEvent
 from kvoffload.metrics import BACKEND_METRICS, tier_values
+from kvoffload.plans import Copy, Outcome, Prefetch, Write, WriteOutcome
 from kvoffload.plans import LoadPlan as LoadPlan
 from kvoffload.plans import PrefetchStats as PrefetchStats
 from kvoffload.plans import TierStats as TierStats
@@ -130,7 +134,14 @@ class Offloader:
         except BaseException:
             self.close()
             raise
-        self._jobs = Jobs(self.tiers, self.tier_configs, self._books, self._data, self._workers)
+        self._loads = LoadsInFlight()
+        self._jobs = Jobs(
+            self.tiers,
+            self.tier_configs,
+            self._data,
+            load_timeout_s=config.load_timeout_ms / 1e3,
+            loads=self._loads,
+        )
 
     # -- engine-facing: lookup, store, load, poll --------------------------------------
     def lookup(self, keys: Sequence[BlockKey]) -> int:
@@ -155,7 +166,7 @@ class Offloader:
             if gate is not None:
                 gate.release()
             return None
-        job = self._workers[0].submit_store(lambda: self._jobs.write(write, gate))
+        job = self._workers[0].submit_store(lambda: self._write(write, gate))
         if job is None:  # only when shut down: the books checked the depth
             self._books.abort_write(write)
         if job is None and gate is not None:
@@ -199,15 +210,17 @@ class Offloader:
         if len(pool_ids) != plan.hits:
             raise ValueError(f"submit_load: plan of {plan.hits} blocks, {len(pool_ids)} pool ids")
         self._need_pool()
+        if plan.settled or plan.submitted:
+            raise ValueError("submit_load: this plan was already submitted or cancelled")
+        plan.submitted = True
         now = time.perf_counter()
         ids = list(pool_ids)
-        self._books.load_submitted(plan)
+        self._loads.begin()  # persistent-tier copies yield to it
         after = self._data.mark()
-        job = self._workers[0].submit_load(
-            lambda: self._jobs.load(plan, ids, now, after, layers=layers, gate=gate)
-        )
+        job = self._workers[0].submit_load(lambda: self._load(plan, ids, now, after, layers, gate))
         if job is None:
-            self._books.cancel_load(plan, submitted=True)
+            self._loads.end()
+            self._books.cancel_load(plan)
             if layers is not None:
                 layers.finish()
         return job
@@ -241,7 +254,7 @@ class Offloader:
             t = p.write.src_tier
             assert t is not None
             job = self._workers[t].submit_load(
-                lambda p=p: self._jobs.prefetch(p),  # type: ignore[misc]
+                lambda p=p: self._prefetch(p),  # type: ignore[misc]
                 ignore_result,
             )
             if job is None:
@@ -268,6 +281,11 @@ class Offloader:
         than a prefix (a sliding window's, before a boundary)."""
         return self._books.held(keys)
 
+    def locate(self, keys: Sequence[BlockKey]) -> list[int]:
+        """For the longest prefix of ``keys`` some tier holds ready, as the books know
+        now (no server asked): per key, the index of the fastest tier holding it."""
+        return self._books.locate(keys)
+
     def resident(self, keys: Sequence[BlockKey]) -> int:
         """Length of the longest prefix of ``keys`` the first tier holds ready (no
         prefetch needed)."""
@@ -285,6 +303,75 @@ class Offloader:
     def prefetches(self) -> tuple[int, int]:
         """Prefetch jobs in flight, and owners waiting on claims."""
         return self._books.prefetches()
+
+    # -- the jobs' loop: order in, outcome out, settled, next orders queued ----------
+    def _write(self, w: Write, gate: StoreGate | None = None) -> int:
+        """Job body of a write (an engine store, a cascade copy, a promotion)."""
+        return self._settle(self._jobs.write(w, gate))
+
+    def _load(
+        self,
+        plan: LoadPlan,
+        ids: list[int],
+        submitted: float,
+        after: object,
+        layers: LayerProgress | None,
+        gate: LoadGate | None,
+    ) -> int:
+        """Job body of a load."""
+        try:
+            out = self._jobs.load(plan, ids, submitted, after, layers=layers, gate=gate)
+        finally:
+            self._loads.end()
+        return self._settle(out)
+
+    def _prefetch(self, p: Prefetch) -> int:
+        """Job body of a prefetch: its write up into the first tier (which reads and
+        verifies the source, and drops what is corrupt from it), settled with the
+        prefetch in one transaction."""
+        if not self._books.prefetch_starts(p):
+            return 0  # cancelled before it ran
+        self._loads.begin()  # copies into persistent tiers wait for us too
+        try:
+            t0 = time.perf_counter()
+            out = self._jobs.write(p.write)
+            out.prefetch, out.seconds = p, time.perf_counter() - t0
+        finally:
+            self._loads.end()
+        return self._settle(out)
+
+    def _settle(self, out: Outcome) -> int:
+        """Settle a job's outcome and queue the orders that come back; the job's bytes
+        (or its exception, raised now that its books are straight)."""
+        orders = self._books.settle(out)
+        if isinstance(out, WriteOutcome):
+            self._queue(orders, {"written": out.buf, "demoted": out.demoted})
+            nbytes = sum(out.ok) * self.bpb
+        else:
+            self._queue(orders, {"loaded": out.buf})
+            nbytes = out.valid * self.bpb
+        if out.error is not None:
+            raise out.error
+        return nbytes
+
+    def _queue(self, orders: list[Copy], sources: dict[str, object]) -> None:
+        """Queue the books' orders on their tiers' store lanes, their bytes cut out of
+        the settled job's buffers (``sources``). A copy the lane refuses is undone; a
+        load's promotion is written here instead (it reserved its slots already)."""
+        self._jobs.stage(orders, sources)
+        for order in orders:
+            w = order.write
+            job = self._workers[w.tier].submit_store(
+                lambda w=w: self._write(w),  # type: ignore[misc]
+                ignore_result,
+            )
+            if job is not None:
+                continue
+            if order.source == "loaded":
+                self._write(w)  # the lane is full or closing: write it here
+            else:
+                self._books.abort_write(w)
+                self._jobs.release(w)
 
     def get_finished(self) -> list[JobResult]:
         """Results of store and load jobs finished since the last call (never blocks)."""

@@ -1,10 +1,14 @@
-"""What the Offloader's books hand out and take back: the records of a plan.
+"""What the Offloader's books hand out and take back: orders and outcomes as data.
 
-:mod:`kvoffload.books` decides; these are its decisions as data (a :class:`LoadPlan`,
-a :class:`Write` into a tier, a :class:`Prefetch`, a cascade :class:`Copy`) and its
-counters (:class:`TierStats`, :class:`PrefetchStats`). They live apart from the books
-so that the data path and the engine-facing facade can hold and pass them without
-reaching into the bookkeeping, and so that each module keeps one role.
+:mod:`kvoffload.books` decides; these are its decisions (a :class:`LoadPlan`, a
+:class:`Write` into a tier, a :class:`Prefetch`, a cascade :class:`Copy`), what a job
+reports back (a :class:`WriteOutcome`, a :class:`LoadOutcome`, each with the
+:class:`Tally` of its I/O) and the books' counters (:class:`TierStats`,
+:class:`PrefetchStats`). One order in, one outcome out: a job
+(:mod:`kvoffload.jobs`) carries out an order using nothing but what the order says,
+and its outcome is settled by the books in one transaction. They live apart from both
+so that the jobs, the books and the engine-facing facade can hold and pass them
+without reaching into each other, and so that each module keeps one role.
 """
 
 from __future__ import annotations
@@ -83,6 +87,9 @@ class LoadPlan:
     promote_evicted: list[tuple[BlockKey, int]] = field(default_factory=list)
     """First-tier blocks evicted to make room for the promotions (for ``on_evict``)."""
     settled: bool = False
+    submitted: bool = False
+    """Handed to ``Offloader.submit_load`` (checked by the engine's thread, which alone
+    submits and cancels, so without the books' lock)."""
 
     @property
     def hits(self) -> int:
@@ -109,14 +116,13 @@ class Write:
     """For an order whose ``buf`` the data path still has to cut: the rows of the
     source buffer that hold ``keys``, in order."""
     evicted: list[tuple[BlockKey, int]] = field(default_factory=list)
-    """Blocks this write's slots held, to be read first and demoted (``on_evict``)."""
+    """Blocks this write's slots held; when :attr:`demote`, narrowed to those the next
+    tier admits, to be read first and demoted (``on_evict``)."""
     demote: bool = False
     """Whether the next tier wants ``evicted`` (read them before overwriting)."""
     submitted: float = 0.0
     after: Any = None
     """The engine's event to wait for before reading its blocks (CUDA)."""
-    corrupt: list[BlockKey] = field(default_factory=list)
-    """Source blocks the read found invalid: dropped from ``src_tier`` when settled."""
 
 
 @dataclass(eq=False)
@@ -132,9 +138,73 @@ class Prefetch:
 
 @dataclass(slots=True)
 class Copy:
-    """A cascade order from :meth:`Books.settle_write`: ``write``, whose bytes are
-    the settled write's own buffer (``source="written"``), its demotion buffer
-    (``"demoted"``), or ``write.src_tier`` (``"tier"``)."""
+    """An order from :meth:`Books.settle`: ``write``, whose bytes are the settled
+    write's own buffer (``source="written"``), its demotion buffer (``"demoted"``), a
+    settled load's staging buffer (``"loaded"``: the promotion of the blocks it read
+    from below), or ``write.src_tier`` (``"tier"``)."""
 
     write: Write
     source: str
+
+
+@dataclass(slots=True)
+class Tally:
+    """What a job's I/O did, for the counters and the circuit breakers, in the order it
+    happened: the books apply it when they settle the job (one transaction, instead of
+    one per read or write)."""
+
+    reads: list[tuple[int, float, int]] = field(default_factory=list)
+    """``(tier, seconds, bytes valid)`` per read."""
+    writes: list[tuple[int, float]] = field(default_factory=list)
+    """``(tier, seconds)`` per write into a tier's medium."""
+    health: list[tuple[int, bool]] = field(default_factory=list)
+    """``(tier, ok)`` per read or write of a lower tier: feeds its breaker."""
+
+
+@dataclass(slots=True)
+class WriteOutcome:
+    """How a :class:`Write` went. Buffers travel with it for the next orders (the
+    written bytes for a write-through copy, the displaced blocks for a demotion); the
+    books see only whether they are there."""
+
+    write: Write
+    ok: list[bool]
+    """Per key of the write: it landed."""
+    failed: bool = False
+    """The write raised: nothing landed (:attr:`error` says why)."""
+    buf: Any = None
+    """A staging buffer holding the written bytes (row ``i``: ``write.keys[i]``), when
+    they went through one and landed."""
+    demoted: Any = None
+    """The buffer the displaced blocks were read into (row ``i``: ``evicted[i]``)."""
+    evicted: list[BlockKey] = field(default_factory=list)
+    """The displaced blocks read into :attr:`demoted`, in row order."""
+    corrupt: list[BlockKey] = field(default_factory=list)
+    """Source blocks the read found invalid: dropped from ``write.src_tier``."""
+    tally: Tally = field(default_factory=Tally)
+    prefetch: Prefetch | None = None
+    """The prefetch this write was the job of (its books settled with it)."""
+    seconds: float = 0.0
+    """The prefetch job's wall time."""
+    error: BaseException | None = None
+    """What the job raised, re-raised once the outcome is settled."""
+
+
+@dataclass(slots=True)
+class LoadOutcome:
+    """How a load of a :class:`LoadPlan` went: the valid prefix loaded into the pool,
+    the blocks found corrupt, and the staging buffer its lower-tier reads went
+    through (``staged[i]``: block ``i`` is in row ``i``), for the promotion."""
+
+    plan: LoadPlan
+    submitted: float
+    valid: int = 0
+    corrupt: dict[int, list[BlockKey]] = field(default_factory=dict)
+    buf: Any = None
+    staged: list[bool] = field(default_factory=list)
+    tally: Tally = field(default_factory=Tally)
+    error: BaseException | None = None
+
+
+Outcome = WriteOutcome | LoadOutcome
+"""What :meth:`Books.settle` takes."""

@@ -1,6 +1,7 @@
-"""The Offloader's books on plain keys: cascade, admission, backpressure, corruption and
-claims decided without a thread, a tensor or a byte moved. Each scenario plays the
-data path's part by hand: take the books' orders, report how they went."""
+"""The Offloader's books on plain keys: cascade, admission, backpressure, corruption,
+breakers and claims decided without a thread, a tensor or a byte moved. Each scenario
+plays the jobs' part by hand: take the books' orders, hand back their outcomes
+(``Books.settle``), as plain values."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from kvoffload.books import Books
 from kvoffload.config import load_config
 from kvoffload.keys import BlockKey
 from kvoffload.lru_manager import LRUOffloadingManager
-from kvoffload.plans import Copy, Write
+from kvoffload.plans import Copy, LoadOutcome, Tally, Write, WriteOutcome
 from kvoffload.slots import SlotAllocator
 
 BPB = 4096
@@ -48,24 +49,25 @@ def _books(*lower: dict[str, Any], blocks: tuple[int, ...] = (8, 16, 32)) -> tup
     return books, fake
 
 
+BUF = object()
+"""Stands for a staging buffer: the books only see whether an outcome has one."""
+
+
+def _landed(w: Write, *, buffered: bool) -> WriteOutcome:
+    """The outcome of a write that landed whole (its bytes left in a buffer or not)."""
+    return WriteOutcome(w, [True] * len(w.keys), buf=BUF if buffered else None)
+
+
 def _store(books: Books, keys: list[BlockKey]) -> tuple[Write, list[Copy]]:
     """An engine store that lands whole, its bytes left in a buffer."""
     w = books.plan_store(keys, list(range(len(keys))), 0.0)
     assert w is not None
-    orders, handed_on = books.settle_write(
-        w, [True] * len(w.keys), failed=False, demoted=False, written_buf=True
-    )
-    assert handed_on == any(o.source == "written" for o in orders)
-    return w, orders
+    return w, books.settle(_landed(w, buffered=True))
 
 
 def _land(books: Books, order: Copy) -> list[Copy]:
     """A cascade copy that lands whole."""
-    w = order.write
-    orders, _ = books.settle_write(
-        w, [True] * len(w.keys), failed=False, demoted=False, written_buf=w.rows is not None
-    )
-    return orders
+    return books.settle(_landed(order.write, buffered=order.write.rows is not None))
 
 
 def test_write_through_cascades_tier_by_tier_from_the_written_buffer() -> None:
@@ -97,12 +99,11 @@ def test_on_evict_demotes_exactly_what_the_first_tier_evicts() -> None:
     assert orders == []  # on_evict: nothing goes down while the first tier has room
     w = books.plan_store(make_keys(2, salt=1), [0, 1], 0.0)
     assert w is not None
-    assert w.demote
+    assert w.demote  # the plan says what to read before overwriting: the job asks nobody
     assert [k for k, _ in w.evicted] == first[:2]  # least recently used first
-    demote = books.admitted_demotions(w)
-    assert [k for k, _ in demote] == first[:2]
-    orders, _ = books.settle_write(w, [True, True], failed=False, demoted=True, written_buf=True)
-    (copy,) = orders
+    out = _landed(w, buffered=True)
+    out.demoted, out.evicted = BUF, first[:2]
+    (copy,) = books.settle(out)
     assert (copy.source, copy.write.tier, copy.write.keys, copy.write.rows) == (
         "demoted",
         1,
@@ -121,8 +122,7 @@ def test_admission_copies_a_block_down_at_its_nth_load() -> None:
     for n in (1, 2):
         plan = books.plan_load(keys)
         assert plan.hits == 3
-        books.load_submitted(plan)
-        orders = books.settle_load(plan, 3, {}, 0.0)
+        orders = books.settle(LoadOutcome(plan, 0.0, valid=3))
         if n == 1:
             assert orders == []
     (copy,) = orders  # the second load admits them
@@ -158,8 +158,7 @@ def test_a_corrupt_block_ends_the_prefix_and_leaves_its_tier_for_good() -> None:
     assert [(r.tier, r.start, r.stop) for r in plan.runs] == [(1, 0, 4), (0, 4, 6)]
     bad = keys[2]
     slot = plan.runs[0].slots[2]
-    books.load_submitted(plan)
-    books.settle_load(plan, 2, {1: [bad]}, 0.0)
+    books.settle(LoadOutcome(plan, 0.0, valid=2, corrupt={1: [bad]}))
     assert fake.discarded == [(1, [slot])]
     assert books.lookup(keys) == 2
     assert books.stats[1].corrupt_blocks == 1
@@ -181,19 +180,19 @@ def test_a_claim_waits_for_its_prefetch_and_then_pins_the_first_tier_only() -> N
     again, more = books.claim("r2", keys)
     assert again is None
     assert more == []  # r2 shares r1's prefetch
-    for p in started:  # the data path copies them up, verified
+    for p in started:  # the jobs copy them up, verified
         assert books.prefetch_starts(p)
-        w = p.write
-        books.settle_write(w, [True] * len(w.keys), failed=False, demoted=False, written_buf=False)
-        books.settle_prefetch(p, 0.001)
+        out = _landed(p.write, buffered=False)
+        out.prefetch, out.seconds = p, 0.001
+        assert books.settle(out) == []
     plan, started = books.claim("r1", keys)  # the next round: the last two
     assert plan is None
     assert sum(len(p.write.keys) for p in started) == 2
     for p in started:
         assert books.prefetch_starts(p)
-        w = p.write
-        books.settle_write(w, [True] * len(w.keys), failed=False, demoted=False, written_buf=False)
-        books.settle_prefetch(p, 0.001)
+        out = _landed(p.write, buffered=False)
+        out.prefetch, out.seconds = p, 0.001
+        books.settle(out)
     plan, _ = books.claim("r1", keys)
     assert plan is not None
     assert plan.hits == 6
@@ -203,3 +202,93 @@ def test_a_claim_waits_for_its_prefetch_and_then_pins_the_first_tier_only() -> N
     assert books.pinned() == [0, 0]
     assert books.prefetches() == (0, 0)
     assert books.prefetch_stats.prefetched == 6
+
+
+def test_a_settle_books_the_whole_tally_in_one_transaction() -> None:
+    """A job's reads, writes and their health come back as one tally: counted, and the
+    breaker fed, in one settle (the lock taken once)."""
+    books, _ = _books({"breaker_errors": 2}, blocks=(8, 16))
+    keys = make_keys(4)
+    _, orders = _store(books, keys)
+    (copy,) = orders
+    out = _landed(copy.write, buffered=True)
+    out.failed, out.ok = True, [False] * 4
+    out.tally = Tally(writes=[(1, 0.25)], health=[(1, False), (1, False)])
+    taken = 0
+
+    class Counting:
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def __enter__(self) -> None:
+            nonlocal taken
+            taken += 1
+            self.inner.acquire()
+
+        def __exit__(self, *exc: object) -> None:
+            self.inner.release()
+
+    books.lock = Counting(books.lock)  # type: ignore[assignment]
+    assert books.settle(out) == []
+    assert taken == 1
+    stats = books.stats[1]
+    assert (stats.write_seconds, stats.store_errors, stats.blocks_stored) == (0.25, 4, 0)
+    assert stats.breaker_trips == 1
+    assert books.bypassed(1)
+    assert books.lookup(keys) == 4  # still up top; the lower tier holds nothing
+    assert books.pinned() == [0, 0]
+
+
+def test_a_load_from_below_settles_into_its_promotion() -> None:
+    """A load whose blocks came up through a staging buffer: the settle frees its pins
+    and returns the promotion into the first tier as the next order (the buffer's rows
+    say which), reserved slots of blocks that did not load freed."""
+    books, _ = _books({}, blocks=(4, 16))
+    keys = make_keys(4)
+    _, orders = _store(books, keys)
+    for order in orders:
+        _land(books, order)
+    assert books.clear_first() == 4
+    plan = books.plan_load(keys)
+    assert [(r.tier, r.start, r.stop) for r in plan.runs] == [(1, 0, 4)]
+    assert plan.promote_keys == keys
+    (promotion,) = books.settle(
+        LoadOutcome(
+            plan, 0.0, valid=3, buf=BUF, staged=[True] * 4, tally=Tally(reads=[(1, 0.1, 3 * BPB)])
+        )
+    )
+    assert (promotion.source, promotion.write.tier, promotion.write.keys) == ("loaded", 0, keys[:3])
+    assert promotion.write.rows == [0, 1, 2]
+    assert books.stats[1].hits == 3
+    assert books.stats[1].bytes_read == 3 * BPB
+    assert books.stats[0].promotions == 3
+    assert books.pinned() == [0, 0]
+    assert _land(books, promotion) == []  # written up top (tier 1 holds them already)
+    assert books.resident(keys) == 3
+
+
+def test_a_refused_prefetch_and_a_released_owner_undo_their_writes() -> None:
+    """Claims hands back the writes of the prefetches it cancels; the books undo them:
+    reserved first-tier slots freed, source pins dropped."""
+    books, _ = _books({}, blocks=(8, 16))
+    keys = make_keys(4)
+    _, orders = _store(books, keys)
+    for order in orders:
+        _land(books, order)
+    books.clear_first()
+    plan, started = books.claim("r1", keys)
+    assert plan is None
+    assert started
+    assert books.pinned() == [0, 4]
+    for p in started:
+        books.prefetch_refused(p)
+    assert books.pinned() == [0, 0]
+    assert books.prefetches() == (0, 1)
+    plan, started = books.claim("r1", keys)
+    assert plan is None
+    assert started
+    books.release("r1")  # nobody else waits and none started: cancelled
+    assert books.pinned() == [0, 0]
+    assert books.prefetches() == (0, 0)
+    assert books.prefetch_stats.wasted == 4
+    assert books.managers[0].lookup(keys) == 0

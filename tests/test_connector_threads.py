@@ -99,7 +99,9 @@ def tiny_config(
             kv_role="kv_both",
             engine_id=engine_id,
             kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"config": {"tiers": tiers}},
+            # This harness's "engine" computes nothing: a prefill rate measured from
+            # its steps would be meaningless, so every hit is loaded (exact tallies).
+            kv_connector_extra_config={"config": {"tiers": tiers}, "load_or_recompute": False},
         ),
     )
 

@@ -16,9 +16,12 @@ What counts as an edge ``a -> b`` (``a`` imports ``b``, both ours):
   still two modules that cannot be understood, tested or reused apart, and it breaks
   the day someone hoists the import. So lazy imports count, and the layering stays
   honest without anyone having to remember which imports happen to be deferred.
-- except imports under ``if TYPE_CHECKING:`` (``else`` branches do run and count):
-  they never execute, and an annotation naming a type from another layer couples
-  nothing at run time.
+- imports under ``if TYPE_CHECKING:`` too. They never execute, but a module that
+  names another's type in its signatures depends on it all the same: it cannot be
+  read, checked or changed apart from it, and a pair of modules that name each other's
+  types is a cycle in every sense but the interpreter's (one used to hide a back-pointer
+  from the claims to the books). Where a lower module needs to name what a higher one
+  passes it, it declares the shape it needs (a :class:`typing.Protocol`) instead.
 - ``from pkg import name`` is an edge to ``pkg.name`` when that is a module of ours,
   else to ``pkg``; ``import a.b.c`` is an edge to ``a.b.c`` alone, not to the parent
   packages it also initialises (every module would otherwise depend on ``kvoffload``).
@@ -35,7 +38,7 @@ the ones below, never from above, and within a layer only without cycles:
    metrics;
 2. bookkeeping: manager, lru_manager, policies;
 3. storage: backend, registry, tier, hostcopy, and the backends;
-4. data movement: blockpool, transfer, books, devicelane, datapath;
+4. data movement: blockpool, transfer, books, claims, devicelane, datapath, jobs;
 5. the offloader;
 6. on top: the connectors, the tools (CLI, stress, maintenance, benchmarks),
    kvoffload.testing, and the package's own ``__init__`` / ``__main__``.
@@ -87,12 +90,22 @@ LAYERS: Final[dict[int, tuple[str, tuple[str, ...]]]] = {
         ("backend", "registry", "tier", "hostcopy", "backends"),
     ),
     # books and datapath come out of offloader.py; cudacopy is the block pool's
-    # one-launch CUDA copy; devicelane is one direction of the data path on a GPU.
+    # one-launch CUDA copy; devicelane is one direction of the data path on a GPU; jobs
+    # carry out one order each over the data path, beside the books, never calling them.
     4: (
         "data movement",
-        ("blockpool", "cudacopy", "transfer", "books", "claims", "devicelane", "datapath"),
+        (
+            "blockpool",
+            "cudacopy",
+            "transfer",
+            "books",
+            "claims",
+            "devicelane",
+            "datapath",
+            "jobs",
+        ),
     ),
-    5: ("offloader", ("jobs", "offloader")),
+    5: ("offloader", ("offloader",)),
     6: ("on top", ("connectors", "tools", "testing", "__main__")),
 }
 """Layer -> (its name, the modules or subpackages in it, relative to ``kvoffload``).
@@ -147,21 +160,11 @@ def discover() -> dict[str, Path]:
     return modules
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
-def _runtime_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
-    """Every import statement that can run: at any depth, outside ``if TYPE_CHECKING:``."""
+def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement: at any depth, ``if TYPE_CHECKING:`` blocks included."""
     found: list[ast.Import | ast.ImportFrom] = []
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
-            for child in node.orelse:
-                visit(child)
-            return
         if isinstance(node, ast.Import | ast.ImportFrom):
             found.append(node)
         for child in ast.iter_child_nodes(node):
@@ -188,7 +191,7 @@ def import_graph(modules: dict[str, Path]) -> list[Edge]:
     for module, path in sorted(modules.items()):
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
         rel = os.path.relpath(path, REPO)
-        for node in _runtime_imports(tree):
+        for node in _imports(tree):
             targets: list[str] = []
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
@@ -349,8 +352,8 @@ def test_layers_depend_downwards_only() -> None:
 
 
 def test_lazy_and_type_checking_imports_are_classified(tmp_path: Path) -> None:
-    """The rules above, on a made-up package: function-level imports are edges,
-    ``TYPE_CHECKING`` ones are not, relative imports resolve."""
+    """The rules above, on a made-up package: function-level imports are edges, and
+    so are ``TYPE_CHECKING`` ones (both branches); relative imports resolve."""
     pkg = tmp_path / "kvoffload"
     (pkg / "sub").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
@@ -361,6 +364,7 @@ def test_lazy_and_type_checking_imports_are_classified(tmp_path: Path) -> None:
             from typing import TYPE_CHECKING
             if TYPE_CHECKING:
                 from kvoffload.sub import c
+                from kvoffload import d
             else:
                 import kvoffload.sub.b
             def f():
@@ -369,6 +373,7 @@ def test_lazy_and_type_checking_imports_are_classified(tmp_path: Path) -> None:
         )
     )
     (pkg / "sub" / "b.py").write_text("")
+    (pkg / "d.py").write_text("")
     (pkg / "sub" / "c.py").write_text("from ..a import f\n")
     modules = {
         "kvoffload": pkg / "__init__.py",
@@ -376,11 +381,13 @@ def test_lazy_and_type_checking_imports_are_classified(tmp_path: Path) -> None:
         "kvoffload.sub": pkg / "sub" / "__init__.py",
         "kvoffload.sub.b": pkg / "sub" / "b.py",
         "kvoffload.sub.c": pkg / "sub" / "c.py",
+        "kvoffload.d": pkg / "d.py",
     }
     got = {(e.src, e.dst) for e in import_graph(modules)}
     assert got == {
         ("kvoffload.a", "kvoffload.sub.b"),
         ("kvoffload.a", "kvoffload.sub.c"),
+        ("kvoffload.a", "kvoffload.d"),  # under TYPE_CHECKING only: still an edge
         ("kvoffload.sub", "kvoffload.sub.b"),
         ("kvoffload.sub.c", "kvoffload.a"),
     }

@@ -202,7 +202,11 @@ def test_the_connector_option_is_validated() -> None:
 
     from kvoffload.exceptions import ConfigError
 
-    assert options_from_vllm({}) == {"layerwise_loads": False, "prefetch_on_arrival": True}
+    assert options_from_vllm({}) == {
+        "layerwise_loads": False,
+        "prefetch_on_arrival": True,
+        "load_or_recompute": True,
+    }
     assert options_from_vllm({"layerwise_loads": True})["layerwise_loads"] is True
     config_from_vllm({"layerwise_loads": True})  # a known key beside the config
     with pytest.raises(ConfigError, match="layerwise_loads = 'yes': expected true or false"):

@@ -254,6 +254,7 @@ class TieredOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
                 layerwise=self.options["layerwise_loads"],
                 groups=self.groups,
                 replicated=self.replicated,
+                load_or_recompute=self.options["load_or_recompute"],
             )
 
     def _scheduler_side(self) -> TieredOffloadScheduler:

@@ -35,12 +35,9 @@ import threading
 import time
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final, Protocol
 
 from kvoffload.keys import BlockKey
-
-if TYPE_CHECKING:
-    from .shared import _Shared
 
 MAX_MESSAGE: Final = 64 * 2**20
 """Largest message either side reads (a lookup of a million-token prompt is ~5 MB)."""
@@ -141,6 +138,14 @@ def _decode_question(data: bytes) -> tuple[int, str, Any]:
     return n, op, arg
 
 
+class _Answers(Protocol):
+    """What :class:`_BooksServer` serves: the worker side's answers
+    (``.shared._Shared.answer``; named by its shape, so that this module does not
+    import the one that imports it)."""
+
+    def answer(self, op: str, arg: Any) -> Any: ...
+
+
 class _BooksServer:
     """Answers a scheduler in another process (vLLM's default on its CPU build runs the
     worker in its own process): one Unix socket per engine and rank, one thread,
@@ -148,7 +153,7 @@ class _BooksServer:
     Microseconds per call against a step of milliseconds, and the books stay where the
     bytes are."""
 
-    def __init__(self, shared: _Shared, engine_id: str, rank: int) -> None:
+    def __init__(self, shared: _Answers, engine_id: str, rank: int) -> None:
         self.address = _address(engine_id, rank)
         self.key_path = _key_path(engine_id, rank)
         Path(self.address).unlink(missing_ok=True)

@@ -49,7 +49,7 @@ def check_vllm_version() -> str:
     return found
 
 
-OPTIONS: Final = {"layerwise_loads": False, "prefetch_on_arrival": True}
+OPTIONS: Final = {"layerwise_loads": False, "prefetch_on_arrival": True, "load_or_recompute": True}
 """The connector's own ``kv_connector_extra_config`` keys beside the config, with their
 defaults (:func:`options_from_vllm`)."""
 
@@ -80,7 +80,9 @@ def options_from_vllm(extra: dict[str, Any]) -> dict[str, bool]:
     """The connector's options in ``kv_connector_extra_config`` (:data:`OPTIONS`), each
     a JSON boolean. ``prefetch_on_arrival`` (on by default) starts the prefetch of a
     request's prefix from the lower tiers when vLLM queues it (``on_new_request``),
-    not when the scheduler reaches it. ``layerwise_loads`` copies a step's loads into
+    not when the scheduler reaches it. ``load_or_recompute`` (on by default) loads of a
+    hit only the part whose load was measured to beat recomputing it
+    (:mod:`.costs`). ``layerwise_loads`` copies a step's loads into
     the KV cache layer by layer while the forward pass runs, each attention layer
     waiting only for its own (``wait_for_layer_load``). Off by default: on vLLM's CPU
     build the overlap gained nothing measurable, the copy taking its cores from the

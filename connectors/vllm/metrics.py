@@ -14,8 +14,9 @@ must agree.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -30,7 +31,7 @@ from .config import config_from_vllm
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-    from .shared import _Shared
+    from kvoffload.offloader import Offloader
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,11 @@ class TieredOffloadStats(KVConnectorStats):  # type: ignore[misc]  # vLLM: Any
 
 COUNTERS: Final[dict[str, str]] = {
     "lookups": "Lookups of a request's blocks in the tiers by the scheduler side.",
+    "lookups_given_up": "Lookups not answered within books_timeout_ms (a tier hanging): "
+    "the request was computed instead, and the late claim released.",
+    "skipped_slower_than_recompute": "Blocks of hits left to recompute because loading "
+    "them from their tier was measured slower than the engine's prefill "
+    "(load_or_recompute).",
     "prefetches_on_arrival": "Requests whose prefix was looked for in the lower tiers "
     "(and prefetched into the cpu tier) as soon as vLLM queued them (on_new_request).",
     "blocks_planned": "Blocks planned (pinned) for loading.",
@@ -123,7 +129,17 @@ TIER_PROM_PREFIX: Final = f"{PROM_PREFIX}tier_"
 """Prometheus names of the :data:`TIER_STATS`: ``vllm:kvoffload_tier_<counter>``."""
 
 
-def _snapshot(shared: _Shared) -> dict[str, int | float]:
+class _Counted(Protocol):
+    """What :func:`_snapshot` reads of one engine's worker side (``.shared._Shared``,
+    named by its shape so that this module, which that one imports, does not import
+    it back)."""
+
+    lock: threading.Lock
+    counters: dict[str, int | float]
+    offloader: Offloader
+
+
+def _snapshot(shared: _Counted) -> dict[str, int | float]:
     """One engine's counters now: :data:`COUNTERS`, and :data:`TIER_STATS` per tier as
     ``tier.<name>.<counter>``. Called from the worker's thread (its stats) and from
     any reader's (:func:`~.shared.connector_counters`) while the books server's thread

@@ -12,6 +12,7 @@ metadata defined here and the books.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -21,10 +22,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from kvoffload.keys import BlockKey, key_from_hash
 
+from .answers import Answers
 from .books import _RemoteBooks
 from .events import BlockHash, TieredOffloadKVEvents
 from .groups import FULL, MAMBA, SLIDING, Group
-from .shared import _REGISTRY, _REGISTRY_LOCK, _Shared
+from .shared import _REGISTRY, _REGISTRY_LOCK
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -74,6 +76,9 @@ class TieredOffloadMetadata(KVConnectorMetadata):  # type: ignore[misc]  # vLLM:
 
     loads: list[_Load] = field(default_factory=list)
     stores: list[_Store] = field(default_factory=list)
+    prefill: tuple[int, float] | None = None
+    """The previous step's tokens and seconds (a sample of the engine's prefill
+    throughput, :mod:`.costs`), if it was one."""
 
 
 @dataclass
@@ -151,8 +156,11 @@ class TieredOffloadScheduler:
         self._remote: _RemoteBooks | None = None
         self._next_plan = 0
         self._events: list[KVCacheEvent] = []
+        self._last_step: tuple[float, int] | None = None
+        """When the previous step was scheduled and its tokens, while it may be a
+        prefill sample (:meth:`_step_sample`)."""
 
-    def _books(self) -> _Shared | _RemoteBooks:
+    def _books(self) -> Answers | _RemoteBooks:
         """Where the scheduler side asks: the worker's state when it is in this
         process (one rank), else connections to every rank."""
         if self._remote is not None:
@@ -161,7 +169,7 @@ class TieredOffloadScheduler:
             with _REGISTRY_LOCK:
                 shared = _REGISTRY.get(self._slot)
             if shared is not None:
-                return shared
+                return shared.answers
         self._remote = _RemoteBooks(self.engine_id, self.asked, self.books_timeout_s)
         return self._remote
 
@@ -248,7 +256,11 @@ class TieredOffloadScheduler:
                 state.stored_windows.update((group.index, p) for p in range(first, start + n))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TieredOffloadMetadata:
-        meta = TieredOffloadMetadata(loads=self._pending_loads, stores=self._pending_stores)
+        meta = TieredOffloadMetadata(
+            loads=self._pending_loads,
+            stores=self._pending_stores,
+            prefill=self._step_sample(scheduler_output),
+        )
         self._pending_loads = []
         self._pending_stores = []
         self._preempted.update(scheduler_output.preempted_req_ids or ())
@@ -303,6 +315,23 @@ class TieredOffloadScheduler:
             for req_id, handoffs in block_state.boundary_state_offloads.items():
                 meta.stores.extend(self._state_stores(req_id, handoffs))
         return meta
+
+    def _step_sample(self, scheduler_output: SchedulerOutput) -> tuple[int, float] | None:
+        """The previous step as a prefill sample: its tokens, and the time from its
+        scheduling to this one's. vLLM schedules the next step once the previous one's
+        output is in (or, scheduling asynchronously, one step ahead: the same period),
+        so the period is the step's whole cost, forward pass and synchronisation
+        included, on any device. Only while the engine stayed busy: after it had no
+        request (``_reqs`` empty) the period holds idle time. Steps of less than a
+        block (decodes) are not samples."""
+        now = time.perf_counter()
+        last, self._last_step = self._last_step, None
+        tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
+        if tokens >= self.block_size:
+            self._last_step = (now, tokens)
+        if last is None:
+            return None
+        return last[1], now - last[0]
 
     def _replay_boundary(self, request: Request) -> int:
         """The block boundary a repeat of ``request``'s prompt would hit at."""
@@ -368,6 +397,8 @@ class TieredOffloadScheduler:
         sliding windows at its final boundary (a later turn of the conversation hits
         there) are stored in the next step's metadata, from the blocks held meanwhile."""
         state = self._reqs.pop(request.request_id, None)
+        if not self._reqs:  # the engine may go idle: the next period is no sample
+            self._last_step = None
         self._preempted.discard(request.request_id)
         self._failed_loads.discard(request.request_id)
         if state is not None and state.claimed:  # ended before its load: aborted

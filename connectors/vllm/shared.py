@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 from kvoffload.keys import BlockKey, namespaced
 from kvoffload.offloader import LoadPlan, Offloader
 
+from .answers import Answers
+from .costs import Costs
 from .events import _EventBook
 from .groups import Group
 from .metrics import COUNTERS, _snapshot
@@ -67,6 +69,10 @@ class _Shared:
     counts."""
     counters: dict[str, int | float] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
     server: _BooksServer | None = None
+    costs: Costs | None = None
+    """The load-or-recompute estimates (``None``: every hit is loaded whole)."""
+    books_timeout_s: float = 1.0
+    """A lookup not answered in this time is a miss (:mod:`.answers`)."""
     lock: threading.Lock = field(default_factory=threading.Lock)
     """Guards ``plans``, ``holds`` and ``counters``, which these threads race on: the
     scheduler side's questions (``lookup``, ``plan``, ``release``: the books server's
@@ -75,6 +81,11 @@ class _Shared:
     in any thread (:func:`connector_counters`, :func:`connector_health`, the worker's
     stats) read them. ``events`` is not guarded: only the worker's thread uses it. The
     Offloader guards its own state (its books' lock)."""
+
+    def __post_init__(self) -> None:
+        self.answers = Answers(self, self.books_timeout_s)
+        """The scheduler side's questions, answered without blocking it."""
+        self._told_skip = False
 
     def ns(self, keys: Sequence[BlockKey], group: int = 0) -> list[BlockKey]:
         """vLLM's block keys of KV cache group ``group`` as this rank's tiers hold
@@ -103,8 +114,10 @@ class _Shared:
         With several KV cache groups the hit is the longest prefix every group can
         serve: a full-attention group's whole prefix, a windowed group's (sliding
         window, Mamba state) blocks right before the boundary."""
-        self.bump("lookups")
         self._unhold(req_id)
+        keys = self._worth(keys)
+        if not keys:
+            return 0
         off = self.offloader
         if req_id not in self.resident:
             resident = off.resident(self.ns(keys, self.groups[0].index))
@@ -155,6 +168,7 @@ class _Shared:
         (the same in-flight bounds; the request's later lookup waits for the same
         prefetches, or finds them landed). A request that ends first releases them."""
         self.bump("prefetches_on_arrival")
+        keys = self._worth(keys)
         for group in self.groups:
             if group.window is not None:  # a window needs its boundary: at lookup
                 continue
@@ -227,20 +241,32 @@ class _Shared:
             self.offloader.unclaim(group_plan.plan)
 
     def answer(self, op: str, arg: Any) -> int | None:
-        """One question from the scheduler side, by name."""
-        if op == "lookup":
-            return self.lookup(*arg)
-        if op == "plan":
-            return self.plan(*arg)
-        if op == "release":
-            return self.release(arg)
-        if op == "sources":
-            return self.sources(arg)
-        if op == "prefetch":
-            return self.prefetch(*arg)
-        if op == "reset":
-            return self.reset()
-        raise ValueError(f"kvoffload books: unknown question {op!r}")
+        """One question from the scheduler side, by name (never blocking long)."""
+        return self.answers.answer(op, arg)
+
+    def _worth(self, keys: list[BlockKey]) -> list[BlockKey]:
+        """``keys`` cut where loading stops beating recomputing (:mod:`.costs`): the
+        blocks past the cut are computed, counted in ``skipped_slower_than_recompute``."""
+        if self.costs is None:
+            return keys
+        tiers = self.offloader.locate(self.ns(keys, self.groups[0].index))
+        n = self.costs.worth(tiers)
+        if n >= len(tiers):
+            return keys
+        self.bump("skipped_slower_than_recompute", len(tiers) - n)
+        if not self._told_skip:
+            self._told_skip = True
+            prefill, rates = self.costs.estimates()
+            logger.info(
+                "kvoffload: loading %d of %d held blocks; the rest is recomputed, faster "
+                "here (prefill %.0f tokens/s; tier reads %s bytes/s). Counted in "
+                "skipped_slower_than_recompute; load_or_recompute: false loads every hit",
+                n,
+                len(tiers),
+                prefill or 0.0,
+                {t: round(r) for t, r in sorted(rates.items())},
+            )
+        return keys[:n]
 
 
 _REGISTRY: dict[str, _Shared] = {}
@@ -295,4 +321,5 @@ def _close(slot: str) -> None:
     if shared is not None:
         if shared.server is not None:
             shared.server.close()
+        shared.answers.close()
         shared.offloader.close()

@@ -34,6 +34,7 @@ from kvoffload.offloader import Offloader
 from .affinity import _rank_affinity
 from .books import _BooksServer
 from .config import hybrid_layout
+from .costs import Costs
 from .events import MAX_EVENT_HASHES, TieredOffloadKVEvents, _EventBook
 from .groups import Group, describe, pool_from_vllm
 from .metrics import TieredOffloadStats, _snapshot
@@ -78,8 +79,11 @@ class TieredOffloadWorker:
         layerwise: bool = False,
         groups: list[Group] | None = None,
         replicated: bool = False,
+        load_or_recompute: bool = True,
     ) -> None:
         self.config = config
+        self.load_or_recompute = load_or_recompute
+        """Measure prefill and tier reads, and load only what beats recomputing."""
         self.groups = groups or [Group(0, "full", None, b"", ())]
         self.replicated = replicated
         """The KV cache is the same on every rank (MLA under tensor parallelism):
@@ -169,7 +173,17 @@ class TieredOffloadWorker:
             offloader = Offloader(self.config, layout, pool, events=self._events_enabled)
         held = sum(t.capacity_blocks for t in offloader.stats)
         book = _EventBook(enabled=self._events_enabled, cap=min(held, MAX_EVENT_HASHES))
-        shared = _Shared(offloader, book, layout.fingerprint, groups=self.groups)
+        costs = None
+        if self.load_or_recompute:
+            costs = Costs(block_tokens=self.block_size, block_bytes=pool.bytes_per_block)
+        shared = _Shared(
+            offloader,
+            book,
+            layout.fingerprint,
+            groups=self.groups,
+            costs=costs,
+            books_timeout_s=self.config.books_timeout_ms / 1e3,
+        )
         shared.server = _BooksServer(shared, self.engine_id, self.rank)
         with _REGISTRY_LOCK:
             _REGISTRY[self._slot] = shared
@@ -194,6 +208,17 @@ class TieredOffloadWorker:
         """Load the step's planned blocks into the engine's, and wait for them; with
         layer-wise loads, submit them and return (see :meth:`wait_for_layer_load`)."""
         assert isinstance(meta, TieredOffloadMetadata)
+        self._load_step(meta)
+
+    def _measure(self, shared: _Shared, meta: TieredOffloadMetadata) -> None:
+        """Feed the scheduler's step sample and the tiers' reads to the estimates."""
+        if shared.costs is None:
+            return
+        if meta.prefill is not None:
+            shared.costs.prefill(*meta.prefill)
+        shared.costs.reads([(t.bytes_read, t.read_seconds) for t in shared.offloader.stats])
+
+    def _load_step(self, meta: TieredOffloadMetadata) -> None:
         self._wait_fences()
         if self.replicated and self.rank > 0:
             if meta.loads:
@@ -431,6 +456,7 @@ class TieredOffloadWorker:
             return
         shared = self._shared()
         off = shared.offloader
+        self._measure(shared, meta)
         self._finish_layer_loads(shared)
         # One job per request: its groups' blocks are one pool's blocks under their
         # own keys, and a step's jobs count against the tier's pending-store bound.

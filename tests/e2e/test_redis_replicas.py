@@ -29,6 +29,7 @@ from support.e2e import (
     connector_tiers,
     failures,
     outputs,
+    redis_tier,
 )
 from support.redisserver import RedisServer, require_redis
 
@@ -45,17 +46,7 @@ def _redis_tiers(server: RedisServer) -> dict[str, Any]:
     """cpu -> redis (write_through), room in both store queues for a whole batch."""
     conn = connector_tiers(None)
     conn["model_id"] = MODEL_ID
-    conn["config"]["tiers"].append(
-        {
-            "name": "redis",
-            "backend": "redis",
-            "url": server.url(),
-            "capacity": "256MiB",
-            "max_pending_stores": 256,
-            "socket_timeout_ms": 1000,
-            "connect_timeout_ms": 500,
-        }
-    )
+    conn["config"]["tiers"].append(redis_tier(server.url()))
     return conn
 
 

@@ -257,6 +257,21 @@ def connector_tiers(
     return {"config": {"tiers": conf}}
 
 
+def redis_tier(url: str, **settings: Any) -> dict[str, Any]:
+    """A ``redis`` tier at ``url`` below the cpu tier, with room in its store queue for
+    a whole batch, and short timeouts (``settings`` added to those)."""
+    return {
+        "name": "redis",
+        "backend": "redis",
+        "url": url,
+        "capacity": "256MiB",
+        "max_pending_stores": 256,
+        "socket_timeout_ms": 1000,
+        "connect_timeout_ms": 500,
+        **settings,
+    }
+
+
 FAILING_READS: Final = 10**9
 
 

@@ -32,6 +32,9 @@ optional:
   ``"0"`` runs it in this process, so its connector counters can be read here); vLLM's
   cache of its environment is cleared first, so each engine reads its own;
 - ``hold``: after the rounds, print ``E2E-HOLD <index>`` and wait to be killed;
+- ``before_round`` / ``after_round``: ``{"<round>": [argv, ...]}``, commands run (and
+  waited for) right before or after that round: a test freezes a tier's server for
+  one round (``kill -STOP``) and thaws it after (``kill -CONT``);
 - ``engines``: a list of overrides of the keys above: one engine after the other in
   this process (each shut down before the next starts), one result line each. Saves
   the interpreter's start and vLLM's import (about 12 s of each engine run here).
@@ -205,6 +208,14 @@ def write_tiny_llama(directory: Path, **overrides: Any) -> Path:
     return directory
 
 
+def _run_commands(commands: list[list[str]]) -> None:
+    """Run each command to its end (a spec's ``before_round`` / ``after_round``)."""
+    import subprocess
+
+    for argv in commands:
+        subprocess.run(argv, check=True, timeout=60)
+
+
 def _emit(tag: str, *parts: Any) -> None:
     print(" ".join([tag, *(str(p) for p in parts)]), flush=True)
 
@@ -361,7 +372,9 @@ def run_engine(spec: dict[str, Any], index: int) -> dict[str, Any]:
         _emit("E2E-READY", index)
         params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8))
         for r, prompts in enumerate(spec["rounds"]):
+            _run_commands(spec.get("before_round", {}).get(str(r), []))
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            _run_commands(spec.get("after_round", {}).get(str(r), []))
             done = [_output(o) for o in outs]
             result["rounds"].append(done)
             result["failed"] += sum(o["failed"] for o in done)
