@@ -30,6 +30,7 @@ from support.e2e import (
     assert_loaded,
     cached,
     connector_tiers,
+    failures,
     outputs,
     sabotaged,
     tokens,
@@ -154,20 +155,33 @@ def test_a_large_hit_loads_in_the_background(
         assert result["kvoffload"]["loads_in_background"] == 2
 
 
-def test_a_failed_background_load_is_recomputed(
-    engines: EngineServer, tmp_path: Path, reference: Any
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_failed_background_load_follows_vllms_policy(
+    engines: EngineServer, tmp_path: Path, reference: Any, policy: str
 ) -> None:
-    """Every load failing, in the background: the load fails whole (``failed_recving``),
-    and vLLM recomputes the request under ``"recompute"`` (outputs equal, no request
-    failed); the connector does not look it up again."""
+    """Every read of the cpu tier an I/O error, in the background: the load fails whole
+    (``failed_recving``). Under ``"recompute"`` vLLM recomputes the request (outputs
+    equal, no request failed) and the connector does not look it up again; under
+    ``"fail"`` both requests fail (``finish_reason`` "error") and the engine serves on:
+    a third round, on prompts of their own, is served in full."""
     conn = sabotaged(_background(_cpu()))
-    rounds = [[_prompt(1), _prompt(2)], [_prompt(1), _prompt(2)]]
-    result = _engine(engines, tmp_path, conn, rounds, failure_policy="recompute")
-    assert outputs(result, 1) == outputs(reference, 1)
-    assert result["failed"] == 0
+    rounds = [[_prompt(1), _prompt(2)], [_prompt(1), _prompt(2)], [_prompt(3)]]
+    result = _engine(engines, tmp_path, conn, rounds, failure_policy=policy)
     counts = result["kvoffload"]
     assert (counts["blocks_loaded"], counts["load_errors"]) == (0, 18)
     assert counts["loads_in_background"] == 2
+    assert outputs(result, 0) == outputs(reference, 0)
+    if policy == "recompute":
+        assert outputs(result, 1) == outputs(reference, 1)
+        assert result["failed"] == 0
+    else:
+        second = result["rounds"][1]
+        assert [r["failed"] for r in second] == [True, True], second
+        assert [r["finish_reason"] for r in second] == ["error", "error"], second
+        assert result["failed"] == 2
+    third = result["rounds"][2]
+    assert not third[0]["failed"], third
+    assert third[0]["finish_reason"] in ("length", "stop"), third
 
 
 @pytest.mark.parametrize(
@@ -215,20 +229,27 @@ def test_bad_yaml_fails_engine_start_naming_the_field(
     assert "tiers[0].capacity = '-1GiB'" in run.detail() + run.stderr
 
 
-@pytest.mark.parametrize("loads", LOADS)
+@pytest.mark.parametrize(
+    ("loads", "background"), [("real", False), ("failing", False), ("real", True)]
+)
 def test_corrupt_disk_block_is_recomputed_not_served(
-    engines: EngineServer, tmp_path: Path, reference: Any, loads: str
+    engines: EngineServer, tmp_path: Path, reference: Any, loads: str, background: bool
 ) -> None:
     """Between two engine runs, one payload byte of a stored block is flipped on disk.
     The second run's output still equals the reference, the engine does not crash, and
     the bad block is counted. The prefetch into the cpu tier finds it before the hit is
     claimed: the hit ends before it (3 blocks loaded), so vLLM computes the rest itself
-    and nothing is a load error."""
+    and nothing is a load error. With the hit loaded in the background (``background``)
+    under vLLM's default ``"fail"``: the same, and no request failed."""
     tiers = [
         {"name": "cpu", "backend": "cpu", "capacity": "64MiB"},
         {"name": "ssd", "backend": "mmap", "capacity": "128MiB", "path": str(tmp_path / "t")},
     ]
     conn = _conn({"config": {"tiers": tiers}}, loads)
+    policy: dict[str, Any] = {}
+    if background:
+        conn = _background(conn)
+        policy = {"failure_policy": "fail"}
     _engine(engines, tmp_path, conn, [[_prompt(1)]])
     slab = tmp_path / "t" / "slab-000.kvo"
     meta = MmapBackend.read_superblock(slab)
@@ -240,9 +261,10 @@ def test_corrupt_disk_block_is_recomputed_not_served(
         byte = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([byte[0] ^ 0xFF]))
-    run = _run(engines, tmp_path, conn, [[_prompt(1)]])
+    run = _run(engines, tmp_path, conn, [[_prompt(1)]], **policy)
     assert len(run.results) == 1, run.detail()
     (second,) = run.results
+    assert second["failed"] == 0, failures(second)
     assert outputs(second, 0)[0] == outputs(reference, 0)[0]
     assert "1 of " in run.stderr
     assert "failed verification" in run.stderr
@@ -250,6 +272,7 @@ def test_corrupt_disk_block_is_recomputed_not_served(
     assert counters["tier.ssd.corrupt_blocks"] == 1, json.dumps(counters)
     with _checks(loads):
         assert_loaded(second, 3)  # the blocks before it; found before the claim
+        assert counters["loads_in_background"] == int(background)
 
 
 @pytest.mark.parametrize("loads", LOADS)
