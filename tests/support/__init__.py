@@ -10,4 +10,6 @@ so this is ``support``.
 - ``tierproc``: child-process programs of the crash and shared-tier tests;
 - ``engine_run``: real vLLM engines in a child process (a script);
 - ``e2e``: the end-to-end tests' engine server and their connector configs.
+- ``smollm2``: the real model (SmolLM2-135M, bf16), built once from a dev dependency
+  (also run by ``scripts/`` benchmarks: ``python tests/support/smollm2.py``).
 """
