@@ -91,3 +91,22 @@ def test_a_stale_estimate_is_forgotten_so_a_recovered_tier_is_measured_again() -
     costs.prefill(3_200, 1.0)
     costs.reads([(2000 * MB, 2.0), (int(1 * MB + 500 * MB), 2.0)])
     assert costs.worth([1, 1]) == 2  # the disk reads 500 MB/s now: worth it
+
+
+def test_a_wait_bounds_a_tier_never_measured() -> None:
+    """A read of a tier not measured yet that has run 2 s for 1 MB: the tier reads at
+    most 0.5 MB/s, so its blocks (2 s each) are computed (10 ms each) from now on."""
+    costs = Costs(block_tokens=32, block_bytes=BLOCK)
+    costs.prefill(3_200, 1.0)
+    assert costs.recompute_seconds(3) == pytest.approx(0.03)
+    assert costs.worth([1, 1]) == 2  # not measured: loaded
+    costs.bound(1, BLOCK, 2.0)
+    assert costs.worth([1, 1]) == 0
+    costs.bound(1, BLOCK, 0.001)  # a bound above the estimate lowers nothing
+    assert costs.estimates()[1][1] == pytest.approx(BLOCK / 2.0)
+    costs.bound(0, BLOCK, 2.0)  # the cpu tier is never bounded (nothing waits on it)
+    assert 0 not in costs.estimates()[1]
+
+
+def test_no_recompute_time_before_the_prefill_is_measured() -> None:
+    assert Costs(block_tokens=32, block_bytes=BLOCK).recompute_seconds(4) is None

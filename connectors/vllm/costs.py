@@ -100,6 +100,25 @@ class Costs:
             tiers = {t: v for t, e in self._tiers.items() if (v := _fresh(e, now)) is not None}
         return prefill, tiers
 
+    def recompute_seconds(self, blocks: int) -> float | None:
+        """How long the engine would take to compute ``blocks`` blocks (``None`` until
+        its prefill is measured)."""
+        prefill, _ = self.estimates()
+        return None if prefill is None else blocks * self.block_tokens / prefill
+
+    def bound(self, t: int, nbytes: int, seconds: float) -> None:
+        """Reading ``nbytes`` from tier ``t`` has taken over ``seconds`` and is not done:
+        its rate is at most ``nbytes / seconds``. An estimate above that is lowered to
+        it (a read that completes later is a sample again)."""
+        if t <= 0 or seconds <= 0:
+            return
+        now = self._clock()
+        with self._lock:
+            rate = _fresh(self._tiers.get(t), now)
+            bounded = nbytes / seconds
+            if rate is None or rate > bounded:
+                self._tiers[t] = (bounded, now)
+
     def worth(self, tiers: Sequence[int]) -> int:
         """How many blocks of a prefix held in ``tiers`` (per block, the tier index;
         0 is the cpu tier) to load: the prefix saving the most time over recomputing

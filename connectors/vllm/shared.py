@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -73,6 +74,10 @@ class _Shared:
     """The load-or-recompute estimates (``None``: every hit is loaded whole)."""
     books_timeout_s: float = 1.0
     """A lookup not answered in this time is a miss (:mod:`.answers`)."""
+    waiting: dict[str, float] = field(default_factory=dict)
+    """Per request whose lookup waits on prefetches: since when (``time.monotonic``)."""
+    asked: dict[str, int] = field(default_factory=dict)
+    """Per request still undecided: how many blocks its last lookup claimed."""
     lock: threading.Lock = field(default_factory=threading.Lock)
     """Guards ``plans``, ``holds`` and ``counters``, which these threads race on: the
     scheduler side's questions (``lookup``, ``plan``, ``release``: the books server's
@@ -115,8 +120,9 @@ class _Shared:
         serve: a full-attention group's whole prefix, a windowed group's (sliding
         window, Mamba state) blocks right before the boundary."""
         self._unhold(req_id)
-        keys = self._worth(keys)
+        keys = self._worth(req_id, keys)
         if not keys:
+            self._settled(req_id)
             return 0
         off = self.offloader
         if req_id not in self.resident:
@@ -150,7 +156,13 @@ class _Shared:
         if pending or hit == 0:
             for group_plan in held.values():
                 off.unclaim(group_plan.plan)
-            return None if pending else 0
+            if pending:
+                with self.lock:
+                    self.waiting.setdefault(req_id, time.monotonic())
+                return None
+            self._settled(req_id)
+            return 0
+        self._settled(req_id)
         # Swapped in one step: a lookup of the same request that ran alongside this
         # one (two schedulers sharing these books, both sent one id) held its own
         # plans meanwhile; those are unpinned here, not leaked.
@@ -168,7 +180,7 @@ class _Shared:
         (the same in-flight bounds; the request's later lookup waits for the same
         prefetches, or finds them landed). A request that ends first releases them."""
         self.bump("prefetches_on_arrival")
-        keys = self._worth(keys)
+        keys = self._worth(req_id, keys)
         for group in self.groups:
             if group.window is not None:  # a window needs its boundary: at lookup
                 continue
@@ -225,8 +237,15 @@ class _Shared:
         """Drop every unpinned block of the first tier; how many."""
         return self.offloader.clear_first_tier()
 
+    def _settled(self, req_id: str) -> None:
+        """``req_id``'s lookup is decided: it waits no more."""
+        with self.lock:
+            self.waiting.pop(req_id, None)
+            self.asked.pop(req_id, None)
+
     def release(self, req_id: str) -> int:
         """Forget ``req_id``'s claim: unpin its holds, cancel its prefetches."""
+        self._settled(req_id)
         with self.lock:
             self.resident.pop(req_id, None)
         self._unhold(req_id)
@@ -244,19 +263,43 @@ class _Shared:
         """One question from the scheduler side, by name (never blocking long)."""
         return self.answers.answer(op, arg)
 
-    def _worth(self, keys: list[BlockKey]) -> list[BlockKey]:
+    def _worth(self, req_id: str, keys: list[BlockKey]) -> list[BlockKey]:
         """``keys`` cut where loading stops beating recomputing (:mod:`.costs`): the
-        blocks past the cut are computed, counted in ``skipped_slower_than_recompute``."""
-        if self.costs is None:
+        blocks past the cut are computed, counted in ``skipped_slower_than_recompute``.
+
+        A request already waiting for its prefetches (:attr:`waiting`) stops waiting
+        once it has waited longer than computing the blocks still below would take:
+        the wait so far bounds those tiers' rate (:meth:`Costs.bound`), which cuts the
+        hit here and, until a read measures them again, the next hits from them. So a
+        tier too slow to have been measured yet (its first reads still running) costs a
+        request at most about twice its recompute, not its ``load_timeout_ms``."""
+        costs = self.costs
+        if costs is None:
             return keys
         tiers = self.offloader.locate(self.ns(keys, self.groups[0].index))
-        n = self.costs.worth(tiers)
+        n = costs.worth(tiers)
+        with self.lock:
+            since = self.waiting.get(req_id)
+        lower = [t for t in tiers[:n] if t > 0]
+        if since is not None and lower:
+            waited = time.monotonic() - since
+            recompute = costs.recompute_seconds(len(lower))
+            if recompute is not None and waited > recompute:
+                for t in set(lower):
+                    costs.bound(t, lower.count(t) * costs.block_bytes, waited)
+                n = costs.worth(tiers)
+        with self.lock:
+            shorter = n < self.asked.get(req_id, n)
+            self.asked[req_id] = n
+        if shorter:  # its claim of more blocks waits on prefetches: let it go
+            for group in self.groups:
+                self.offloader.release((req_id, group.index))
         if n >= len(tiers):
             return keys
         self.bump("skipped_slower_than_recompute", len(tiers) - n)
         if not self._told_skip:
             self._told_skip = True
-            prefill, rates = self.costs.estimates()
+            prefill, rates = costs.estimates()
             logger.info(
                 "kvoffload: loading %d of %d held blocks; the rest is recomputed, faster "
                 "here (prefill %.0f tokens/s; tier reads %s bytes/s). Counted in "
