@@ -8,9 +8,9 @@ LMCache nor Dynamo decides it by measurement. This module keeps two running esti
 fed by what the worker side sees anyway:
 
 - the engine's prefill throughput (tokens per second), from each step's scheduled
-  tokens over the time to the next step's scheduling, which the scheduler side measures
-  while the engine is busy (a forward pass timed on the worker would be its launch
-  alone on a GPU, whose kernels run on after it returns);
+  tokens over the time from its scheduling to its output, which the scheduler side
+  measures (a forward pass timed on the worker would be its launch alone on a GPU,
+  whose kernels run on after it returns);
 - each tier's read throughput (bytes per second), from the Offloader's per-tier
   ``bytes_read`` / ``read_seconds`` counters (prefetches from the lower tiers and
   loads from the cpu tier are both reads);

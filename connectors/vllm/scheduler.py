@@ -35,6 +35,11 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
+MAX_STEPS_IN_FLIGHT = 4
+"""Steps scheduled and not yet done that the prefill timing tracks (vLLM's asynchronous
+scheduling keeps one ahead; more means a step's output never came back to us)."""
+
+
 @dataclass
 class _Load:
     req_id: str
@@ -77,8 +82,8 @@ class TieredOffloadMetadata(KVConnectorMetadata):  # type: ignore[misc]  # vLLM:
     loads: list[_Load] = field(default_factory=list)
     stores: list[_Store] = field(default_factory=list)
     prefill: tuple[int, float] | None = None
-    """The previous step's tokens and seconds (a sample of the engine's prefill
-    throughput, :mod:`.costs`), if it was one."""
+    """A recent step's tokens and seconds, scheduled to output in (a sample of the
+    engine's prefill throughput, :mod:`.costs`), if there is one."""
 
 
 @dataclass
@@ -156,9 +161,10 @@ class TieredOffloadScheduler:
         self._remote: _RemoteBooks | None = None
         self._next_plan = 0
         self._events: list[KVCacheEvent] = []
-        self._last_step: tuple[float, int] | None = None
-        """When the previous step was scheduled and its tokens, while it may be a
-        prefill sample (:meth:`_step_sample`)."""
+        self._in_flight: list[tuple[float, int]] = []
+        """Steps scheduled whose output is not in yet: when, and their tokens."""
+        self._sample: tuple[int, float] | None = None
+        """The last step timed as a prefill sample, for the next step's metadata."""
 
     def _books(self) -> Answers | _RemoteBooks:
         """Where the scheduler side asks: the worker's state when it is in this
@@ -317,21 +323,28 @@ class TieredOffloadScheduler:
         return meta
 
     def _step_sample(self, scheduler_output: SchedulerOutput) -> tuple[int, float] | None:
-        """The previous step as a prefill sample: its tokens, and the time from its
-        scheduling to this one's. vLLM schedules the next step once the previous one's
-        output is in (or, scheduling asynchronously, one step ahead: the same period),
-        so the period is the step's whole cost, forward pass and synchronisation
-        included, on any device. Only while the engine stayed busy: after it had no
-        request (``_reqs`` empty) the period holds idle time. Steps of less than a
-        block (decodes) are not samples."""
-        now = time.perf_counter()
-        last, self._last_step = self._last_step, None
+        """Note this step's scheduling (:meth:`_step_done` times it), and hand over
+        the last step timed, if it was a prefill sample, to the worker side (its
+        estimates live there, beside the lookups that use them)."""
         tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
+        self._in_flight.append((time.perf_counter(), tokens))
+        del self._in_flight[:-MAX_STEPS_IN_FLIGHT]
+        sample, self._sample = self._sample, None
+        return sample
+
+    def _step_done(self) -> None:
+        """A step's output is in: the time since it was scheduled is its whole cost,
+        its forward pass and the device's synchronisation included, and no idle time
+        (a forward pass timed on the worker would be its launch alone on a GPU, and the
+        gap between two steps' scheduling holds the idle time before a new request).
+        With asynchronous scheduling a step is scheduled before the previous one's
+        output is in: the oldest step scheduled is the one done. Steps of less than a
+        block (decodes) are no prefill sample."""
+        if not self._in_flight:
+            return
+        scheduled, tokens = self._in_flight.pop(0)
         if tokens >= self.block_size:
-            self._last_step = (now, tokens)
-        if last is None:
-            return None
-        return last[1], now - last[0]
+            self._sample = (tokens, time.perf_counter() - scheduled)
 
     def _replay_boundary(self, request: Request) -> int:
         """The block boundary a repeat of ``request``'s prompt would hit at."""
@@ -397,8 +410,6 @@ class TieredOffloadScheduler:
         sliding windows at its final boundary (a later turn of the conversation hits
         there) are stored in the next step's metadata, from the blocks held meanwhile."""
         state = self._reqs.pop(request.request_id, None)
-        if not self._reqs:  # the engine may go idle: the next period is no sample
-            self._last_step = None
         self._preempted.discard(request.request_id)
         self._failed_loads.discard(request.request_id)
         if state is not None and state.claimed:  # ended before its load: aborted
@@ -445,6 +456,7 @@ class TieredOffloadScheduler:
         ``get_finished`` collects finished stores and reports the requests whose
         blocks may be freed: ``finished_sending``), and the scheduler side forgot
         those requests in ``request_finished`` already."""
+        self._step_done()
         # ``getattr``: a field vLLM may move (an open upstream change carries worker
         # events elsewhere); then no events arrive, and nothing breaks.
         self._failed_loads.update(getattr(connector_output, "failed_recving", None) or ())
