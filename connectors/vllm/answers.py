@@ -70,8 +70,8 @@ class Answers:
         self._last: dict[str, Future[Any]] = {}
         """The latest lookup or prefetch submitted per request (a release follows it)."""
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvoffload-lookup")
-        self._queued = 0
-        """Jobs submitted to the lookup thread and not done."""
+        self._running_since: float | None = None
+        """When the lookup thread's current job began (``None``: idle)."""
         self._warned = False
 
     def lookup(self, req_id: str, keys: list[BlockKey]) -> int | None:
@@ -81,9 +81,13 @@ class Answers:
         self.shared.bump("lookups")
         with self._lock:
             asked = self._asked.get(req_id)
-            # Wait in the step only for a new lookup that runs at once: one queued
-            # behind others (a tier hanging) or asked already is not waited for again.
-            wait = INLINE_WAIT_S if asked is None and self._queued == 0 else 0.0
+            # Wait in the step only for a new lookup, and only while the thread is not
+            # stuck (its current job has run less than the wait): behind quick jobs (a
+            # prefetch on arrival) it is answered in this step, behind a job hanging
+            # in a tier it is not waited for at all.
+            since = self._running_since
+            stuck = since is not None and _now() - since > INLINE_WAIT_S
+            wait = INLINE_WAIT_S if asked is None and not stuck else 0.0
             if asked is None:
                 asked = _Asked(self._submit(req_id, self.shared.lookup, req_id, keys), _now())
                 self._asked[req_id] = asked
@@ -160,15 +164,21 @@ class Answers:
 
     def _submit(self, req_id: str, fn: Any, *args: Any) -> Future[Any]:
         with self._lock:
-            future: Future[Any] = self._pool.submit(fn, *args)
-            self._queued += 1
+            future: Future[Any] = self._pool.submit(self._timed, fn, *args)
             self._last[req_id] = future
         future.add_done_callback(lambda f: self._forget(req_id, f))
         return future
 
+    def _timed(self, fn: Any, *args: Any) -> Any:
+        """Run one job on the lookup thread, noting since when it runs."""
+        self._running_since = _now()
+        try:
+            return fn(*args)
+        finally:
+            self._running_since = None
+
     def _forget(self, req_id: str, future: Future[Any]) -> None:
         with self._lock:
-            self._queued -= 1
             if self._last.get(req_id) is future:
                 del self._last[req_id]
 
