@@ -57,7 +57,9 @@ side takes the smallest answer of all ranks (``None`` if any is undecided).
 - **Stats** reach vLLM as :class:`TieredOffloadStats` (deltas from the worker side),
   and Prometheus as ``vllm:kvoffload_*`` counters (:class:`TieredOffloadPromMetrics`).
 - **KV events** (with ``kv_events_config.enable_kv_cache_events``): the worker side
-  turns its tiers' store and eviction records into vLLM ``BlockStored`` /
+  turns its tiers' store and eviction records into self-describing vLLM
+  ``BlockStored`` (tokens, parent hash, block size, LoRA, group, medium and locality:
+  the blocks' details come from the scheduler side with each store and load) /
   ``BlockRemoved`` events and sends them with its step output
   (``get_kv_connector_kv_cache_events``); the scheduler side collects them in
   ``update_connector_output`` and hands them to vLLM's publisher in ``take_events``.

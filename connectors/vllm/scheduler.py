@@ -13,7 +13,7 @@ metadata defined here and the books.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +24,7 @@ from kvoffload.keys import BlockKey, key_from_hash
 
 from .answers import Answers
 from .books import _RemoteBooks
-from .events import BlockHash, TieredOffloadKVEvents
+from .events import EventBlocks, TieredOffloadKVEvents
 from .groups import FULL, MAMBA, SLIDING, Group
 from .shared import _REGISTRY, _REGISTRY_LOCK
 
@@ -50,8 +50,9 @@ class _Load:
     into the tail of its list."""
     resumed: bool = False
     """The request was preempted earlier: this load brings its work back."""
-    hashes: list[BlockHash] = field(default_factory=list)
-    """vLLM's hashes of the planned keys, for KV events (empty when they are off)."""
+    events: EventBlocks | None = None
+    """The loaded positions' blocks (hashes, parents, tokens) for KV events, ``None``
+    when they are off."""
     background: bool = False
     """vLLM's asynchronous load: the request waits (``WAITING_FOR_REMOTE_KVS``) while
     the worker loads it in the background, and the worker reports it done
@@ -65,8 +66,9 @@ class _Store:
     req_id: str
     keys: list[BlockKey]
     block_ids: list[int]
-    hashes: list[BlockHash] = field(default_factory=list)
-    """vLLM's hashes of ``keys``, for KV events (empty when they are off)."""
+    events: EventBlocks | None = None
+    """The blocks of ``keys`` (hashes, parents, tokens) for KV events, ``None`` when
+    they are off (the metadata stays the keys and block ids)."""
     group: int = 0
     """The KV cache group of the blocks (their keys are namespaced by it)."""
     fenced: bool = False
@@ -186,6 +188,13 @@ class TieredOffloadScheduler:
             for h in request.block_hashes[:n]
         ]
 
+    def _event_blocks(self, request: Request, positions: Sequence[int]) -> EventBlocks | None:
+        """What KV events need of ``request``'s blocks at ``positions``, sent along
+        with their store or load; ``None`` when events are off."""
+        if not self._events_enabled:
+            return None
+        return EventBlocks.of(request, positions, self.block_size)
+
     def on_new_request(self, request: Request) -> None:
         """vLLM queued ``request``: start prefetching its prefix from the lower tiers
         now, so that by the time the scheduler reaches it (a backlog) its blocks are in
@@ -247,9 +256,15 @@ class TieredOffloadScheduler:
         self._books().plan(plan_id, request.request_id, start, n)
         state.claimed = False
         resumed = request.request_id in self._preempted
-        hashes = list(request.block_hashes[start : start + n]) if self._events_enabled else []
         self._pending_loads.append(
-            _Load(request.request_id, plan_id, targets, resumed, hashes, state.background)
+            _Load(
+                request.request_id,
+                plan_id,
+                targets,
+                resumed,
+                self._event_blocks(request, range(start, start + n)),
+                state.background,
+            )
         )
         # A background load's blocks are held by vLLM itself until the worker reports
         # the load received (finished_recving), even if the request ends meanwhile:
@@ -305,10 +320,10 @@ class TieredOffloadScheduler:
             if full > state.stored_blocks:
                 first = state.stored_blocks
                 keys = self._keys(req, full)[first:]
-                hashes = list(req.block_hashes[first:full]) if self._events_enabled else []
+                blocks = self._event_blocks(req, range(first, full))
                 for g in self._full:
                     ids = state.block_ids[g][first:full]
-                    meta.stores.append(_Store(req_id, keys, ids, hashes, group=g))
+                    meta.stores.append(_Store(req_id, keys, ids, blocks, group=g))
                 state.stored_blocks = full
                 state.had_store = True
             if self._sliding:
@@ -367,13 +382,12 @@ class TieredOffloadScheduler:
             if not todo:
                 continue
             keys = self._keys(req, boundary)
-            hashes = req.block_hashes
             stores.append(
                 _Store(
                     req.request_id,
                     [keys[p] for p in todo],
                     [ids[p - first] for p in todo],
-                    [hashes[p] for p in todo] if self._events_enabled else [],
+                    self._event_blocks(req, todo),
                     group=group.index,
                     fenced=True,
                 )
@@ -397,8 +411,8 @@ class TieredOffloadScheduler:
             if pos < 0 or pos >= len(req.block_hashes) or (group, pos) in state.stored_windows:
                 continue
             key = self._keys(req, pos + 1)[pos]
-            hashes = [req.block_hashes[pos]] if self._events_enabled else []
-            stores.append(_Store(req_id, [key], [block_id], hashes, group=group, fenced=True))
+            blocks = self._event_blocks(req, [pos])
+            stores.append(_Store(req_id, [key], [block_id], blocks, group=group, fenced=True))
             state.stored_windows.add((group, pos))
             state.had_store = True
         return stores
