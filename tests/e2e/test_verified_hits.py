@@ -539,7 +539,11 @@ def test_kill_9_while_storing_then_restart_and_verify(
     )
     want = outputs(ref)
     assert outputs(stored) == want
-    assert cached(stored)[0] == 0  # a fresh tier (the others share vLLM's own cache)
+    # A fresh tier: nothing loaded from it (which prompt computes the shared prefix
+    # first, and so which ones hit vLLM's own cache, depends on the step each lookup
+    # is answered in).
+    assert stored["kvoffload"]["blocks_loaded"] == 0, stored["kvoffload"]
+    assert min(cached(stored)) == 0
     rc, report, out = _verify(tmp_path, config)
     assert rc == 0, out
     assert report["disk"]["ok"] == report["disk"]["blocks"] == full // BLOCK + 2, out
