@@ -108,10 +108,12 @@ from .config import (
     _events_enabled,
     _per_rank,
     _warn_about_late_failures,
+    _warn_about_unshared_roles,
     check_vllm_version,
     config_from_vllm,
     layout_from_vllm,
     options_from_vllm,
+    role_from_vllm,
 )
 from .events import MAX_EVENT_HASHES, BlockHash, TieredOffloadKVEvents
 from .groups import groups_from_vllm
@@ -224,8 +226,10 @@ class TieredOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
         self._events_enabled = _events_enabled(vllm_config)
         self._scheduler: TieredOffloadScheduler | None = None
         self._worker: TieredOffloadWorker | None = None
+        self.kv_role = role_from_vllm(transfer)
         if role == KVConnectorRole.SCHEDULER:
             _warn_about_late_failures(self.config, transfer)
+            _warn_about_unshared_roles(self.config, self.kv_role)
             self._scheduler = TieredOffloadScheduler(
                 engine_id=self.engine_id,
                 slot=self._slot,
@@ -242,6 +246,8 @@ class TieredOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
                 async_min_bytes=float("inf")
                 if self.replicated
                 else float(self.config.async_load_min_bytes),
+                role=self.kv_role,
+                producer_wait_s=self.config.load_timeout_ms / 1e3,
             )
         else:
             self._worker = TieredOffloadWorker(
@@ -256,7 +262,11 @@ class TieredOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
                 layerwise=self.options["layerwise_loads"],
                 groups=self.groups,
                 replicated=self.replicated,
-                load_or_recompute=self.options["load_or_recompute"],
+                # A consumer (a decode engine) loads every hit: computing a prompt's
+                # blocks is the prefill engine's work, and a hit cut short would look
+                # like one whose blocks the producer is still storing.
+                load_or_recompute=self.options["load_or_recompute"]
+                and self.kv_role != "kv_consumer",
             )
 
     def _scheduler_side(self) -> TieredOffloadScheduler:

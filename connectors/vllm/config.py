@@ -216,6 +216,33 @@ def _warn_about_late_failures(config: KVOffloadConfig, transfer: Any) -> None:
         )
 
 
+ROLES: Final = ("kv_both", "kv_producer", "kv_consumer")
+"""vLLM's ``kv_role`` values, the default first."""
+
+
+def role_from_vllm(transfer: Any) -> str:
+    """``kv_transfer_config.kv_role``: ``kv_both`` (the default: store and load),
+    ``kv_producer`` (a prefill engine: store only) or ``kv_consumer`` (a decode engine:
+    load only, waiting for what a producer is still storing)."""
+    role = getattr(transfer, "kv_role", None) or "kv_both"
+    if role not in ROLES:
+        raise ConfigError(f"kv_transfer_config.kv_role = {role!r}: expected one of {list(ROLES)}")
+    return str(role)
+
+
+def _warn_about_unshared_roles(config: KVOffloadConfig, role: str) -> None:
+    """A producer's blocks reach a consumer only through a tier both engines share (a
+    redis tier): say so at start when the role is set and there is none."""
+    if role == "kv_both":
+        return
+    if not any(t.backend == "redis" for t in config.resolved_tiers()):
+        logger.warning(
+            "kvoffload: kv_role = %s, but no tier is shared between engines (a redis "
+            "tier): a producer's blocks never reach a consumer in another process",
+            role,
+        )
+
+
 def _events_enabled(vllm_config: VllmConfig) -> bool:
     events = vllm_config.kv_events_config
     return bool(events is not None and events.enable_kv_cache_events)

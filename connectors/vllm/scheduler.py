@@ -12,10 +12,11 @@ metadata defined here and the books.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from vllm.distributed.kv_events import KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
@@ -34,6 +35,14 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+
+logger = logging.getLogger(__name__)
+
+PRODUCER: Final = "kv_producer"
+CONSUMER: Final = "kv_consumer"
+BOTH: Final = "kv_both"
+ROLES: Final = frozenset({PRODUCER, CONSUMER, BOTH})
+"""vLLM's ``KVTransferConfig.kv_role`` values."""
 
 MAX_STEPS_IN_FLIGHT = 4
 """Steps scheduled and not yet done that the prefill timing tracks (vLLM's asynchronous
@@ -109,6 +118,9 @@ class _ReqState:
     claimed: bool = False
     """The worker may hold a claim (pins, or prefetches waited for) for this request
     that neither a plan nor a release has ended yet."""
+    first_lookup: float | None = None
+    """When this request was first looked up (``time.monotonic``): a consumer waits for
+    a producer's blocks from then, up to ``load_timeout_ms``."""
 
 
 class TieredOffloadScheduler:
@@ -129,8 +141,24 @@ class TieredOffloadScheduler:
         prefetch_on_arrival: bool = True,
         block_bytes: int = 0,
         async_min_bytes: float = float("inf"),
+        role: str = BOTH,
+        producer_wait_s: float = 10.0,
     ) -> None:
         self.engine_id = engine_id
+        if role not in ROLES:
+            raise ValueError(f"kvoffload: kv_role {role!r}: expected one of {sorted(ROLES)}")
+        self.role = role
+        """vLLM's ``kv_role``: a producer (a prefill engine) stores and loads nothing; a
+        consumer (a decode engine) loads, waits for what a producer is still storing,
+        and stores nothing; ``kv_both`` does both and never waits."""
+        self.loads = role != PRODUCER
+        self.stores = role != CONSUMER
+        self.producer_wait_s = producer_wait_s
+        """A consumer's longest wait for a prompt's whole loadable prefix to reach the
+        tiers, from its first lookup (``load_timeout_ms``)."""
+        self.waited_out = 0
+        """Consumer lookups that stopped waiting for a producer (``producer_wait_s``)
+        and took a shorter hit."""
         self.ranks = ranks
         self.inert = inert
         self.books_timeout_s = books_timeout_s
@@ -200,7 +228,7 @@ class TieredOffloadScheduler:
         now, so that by the time the scheduler reaches it (a backlog) its blocks are in
         the cpu tier. Its lookup later waits for the same prefetches or finds them
         landed; a request that ends first releases them (``request_finished``)."""
-        if self.inert or not self.prefetch_on_arrival:
+        if self.inert or not self.prefetch_on_arrival or not self.loads:
             return
         loadable = min(
             (request.num_prompt_tokens - 1) // self.block_size, len(request.block_hashes)
@@ -215,8 +243,9 @@ class TieredOffloadScheduler:
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         # Never the last prompt token: vLLM must compute at least one.
-        if self.inert or request.request_id in self._failed_loads:
-            # A request whose asynchronous load failed is computed, not loaded again.
+        if self.inert or request.request_id in self._failed_loads or not self.loads:
+            # A request whose asynchronous load failed is computed, not loaded again; a
+            # producer loads nothing.
             return 0, False
         loadable = (request.num_prompt_tokens - 1) // self.block_size
         loadable = min(loadable, len(request.block_hashes))
@@ -225,12 +254,30 @@ class TieredOffloadScheduler:
         state.local_tokens = num_computed_tokens
         if loadable <= start:
             return 0, False
+        if state.first_lookup is None:
+            state.first_lookup = time.monotonic()
         # The worker claims the verified prefix (pinned for this request), after
         # prefetching what only a disk tier holds; ``None`` until that is done.
         hit = self._books().lookup(request.request_id, self._keys(request, loadable))
         state.claimed = True
         if hit is None:
             return None, False
+        if self.role == CONSUMER and hit < loadable:
+            # A producer may still be storing the rest: ask again next step (the next
+            # lookup replaces this one's claim), until it is all there or the wait is
+            # over; then take what is there and compute the rest.
+            if time.monotonic() - state.first_lookup < self.producer_wait_s:
+                return None, False
+            self.waited_out += 1
+            if self.waited_out == 1:
+                logger.info(
+                    "kvoffload: kv_consumer: request %s found %d of its %d blocks after "
+                    "waiting %.0f ms (load_timeout_ms) for a producer; computing the rest",
+                    request.request_id,
+                    hit,
+                    loadable,
+                    self.producer_wait_s * 1e3,
+                )
         if hit <= start:
             return 0, False
         background = self._whole_loads or (hit - start) * self.block_bytes >= self.async_min_bytes
@@ -305,7 +352,7 @@ class TieredOffloadScheduler:
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         for req_id, n_tokens in scheduler_output.num_scheduled_tokens.items():
             state = self._reqs.get(req_id)
-            if state is None or self.inert:
+            if state is None or self.inert or not self.stores:
                 continue
             if block_state is not None and len(self.groups) > 1:
                 # (A dense model's table only grows: the appended ids are exact, and
@@ -332,7 +379,7 @@ class TieredOffloadScheduler:
                 boundary = self._replay_boundary(req)
                 if done_tokens >= boundary * self.block_size:
                     meta.stores.extend(self._window_stores(state, boundary))
-        if block_state is not None:
+        if block_state is not None and self.stores:
             for req_id, handoffs in block_state.boundary_state_offloads.items():
                 meta.stores.extend(self._state_stores(req_id, handoffs))
         return meta
@@ -428,7 +475,7 @@ class TieredOffloadScheduler:
         self._failed_loads.discard(request.request_id)
         if state is not None and state.claimed:  # ended before its load: aborted
             self._books().release(request.request_id)
-        if state is not None and self._sliding and isinstance(block_ids, tuple):
+        if state is not None and self._sliding and self.stores and isinstance(block_ids, tuple):
             state.block_ids = [list(ids) for ids in block_ids]
             boundary = min(
                 request.num_computed_tokens // self.block_size,
