@@ -104,6 +104,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from .affinity import _rank_affinity as _rank_affinity
 from .affinity import rank_cpus
 from .config import (
+    CONSUMER,
     SUPPORTED,
     _events_enabled,
     _per_rank,
@@ -265,8 +266,7 @@ class TieredOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
                 # A consumer (a decode engine) loads every hit: computing a prompt's
                 # blocks is the prefill engine's work, and a hit cut short would look
                 # like one whose blocks the producer is still storing.
-                load_or_recompute=self.options["load_or_recompute"]
-                and self.kv_role != "kv_consumer",
+                load_or_recompute=self.options["load_or_recompute"] and self.kv_role != CONSUMER,
             )
 
     def _scheduler_side(self) -> TieredOffloadScheduler:

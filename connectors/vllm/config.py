@@ -216,7 +216,10 @@ def _warn_about_late_failures(config: KVOffloadConfig, transfer: Any) -> None:
         )
 
 
-ROLES: Final = ("kv_both", "kv_producer", "kv_consumer")
+BOTH: Final = "kv_both"
+PRODUCER: Final = "kv_producer"
+CONSUMER: Final = "kv_consumer"
+ROLES: Final = (BOTH, PRODUCER, CONSUMER)
 """vLLM's ``kv_role`` values, the default first."""
 
 
@@ -224,7 +227,7 @@ def role_from_vllm(transfer: Any) -> str:
     """``kv_transfer_config.kv_role``: ``kv_both`` (the default: store and load),
     ``kv_producer`` (a prefill engine: store only) or ``kv_consumer`` (a decode engine:
     load only, waiting for what a producer is still storing)."""
-    role = getattr(transfer, "kv_role", None) or "kv_both"
+    role = getattr(transfer, "kv_role", None) or BOTH
     if role not in ROLES:
         raise ConfigError(f"kv_transfer_config.kv_role = {role!r}: expected one of {list(ROLES)}")
     return str(role)
@@ -233,7 +236,7 @@ def role_from_vllm(transfer: Any) -> str:
 def _warn_about_unshared_roles(config: KVOffloadConfig, role: str) -> None:
     """A producer's blocks reach a consumer only through a tier both engines share (a
     redis tier): say so at start when the role is set and there is none."""
-    if role == "kv_both":
+    if role == BOTH:
         return
     if not any(t.backend == "redis" for t in config.resolved_tiers()):
         logger.warning(

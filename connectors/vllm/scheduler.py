@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_events import KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
@@ -25,6 +25,7 @@ from kvoffload.keys import BlockKey, key_from_hash
 
 from .answers import Answers
 from .books import _RemoteBooks
+from .config import BOTH, CONSUMER, PRODUCER, ROLES
 from .events import EventBlocks, TieredOffloadKVEvents
 from .groups import FULL, MAMBA, SLIDING, Group
 from .shared import _REGISTRY, _REGISTRY_LOCK
@@ -37,12 +38,6 @@ if TYPE_CHECKING:
 
 
 logger = logging.getLogger(__name__)
-
-PRODUCER: Final = "kv_producer"
-CONSUMER: Final = "kv_consumer"
-BOTH: Final = "kv_both"
-ROLES: Final = frozenset({PRODUCER, CONSUMER, BOTH})
-"""vLLM's ``KVTransferConfig.kv_role`` values."""
 
 MAX_STEPS_IN_FLIGHT = 4
 """Steps scheduled and not yet done that the prefill timing tracks (vLLM's asynchronous
