@@ -101,8 +101,11 @@ SCAN_BATCH: Final = 1000
 """Keys asked of each ``SCAN`` call (its ``COUNT``) and handed out per list by
 :meth:`RedisBackend.scan`: one round trip per thousand keys, replies of ~100 KB."""
 
-_SPARE_PACK_BYTES: Final = 64 * 1024 * 1024
-"""Largest pack buffer kept between batches (see ``RedisBackend._take_buffer``)."""
+_SPARE_PACK_BYTES: Final = 32 * (2 * 1024 * 1024 + 1024)
+"""Largest pack buffer kept between batches (see ``RedisBackend._take_buffer``): a
+batch of 32 blocks of 2 MiB with their headers. At 64 MiB flat, that batch (64 MiB
+plus 32 headers) was never kept, and each one faulted 64 MiB of fresh pages in:
+stores of 2 MiB ran at 0.37x the tuned raw loop (2026-11-26)."""
 
 
 class RedisTierConfig(TierConfig):
@@ -364,6 +367,52 @@ def _counting_connection(base: type[Connection], tally: _Tally, sinks: Sinks) ->
     return cast(type[Connection], type(f"Counting{base.__name__}", (base,), namespace))
 
 
+def make_client(cfg: RedisTierConfig, sinks: Sinks, tally: _Tally | None = None) -> _RedisClient:
+    """A client of ``cfg``'s server with the tier's settings: 1 MiB socket reads
+    (:data:`SOCKET_READ_BYTES`), zero-copy packing (:data:`_ZERO_COPY_PACKER`), the
+    values of the read ``sinks`` holds received straight into its rows, requests
+    counted in ``tally``, and the tier's timeouts and retry. The tier's own client, and
+    the benchmark's tuned raw loop (:mod:`kvoffload.tools.bench_redis`), so that the
+    loop the tier is measured against has the same client settings."""
+    tls = cfg.url is not None and cfg.url.startswith("rediss://")
+    kwargs: dict[str, Any] = {
+        "connection_class": _counting_connection(
+            SSLConnection if tls else Connection, tally or _Tally(), sinks
+        ),
+        "max_connections": cfg.max_connections,
+        "socket_timeout": cfg.socket_timeout_ms / 1000,
+        "socket_connect_timeout": cfg.connect_timeout_ms / 1000,
+        "socket_read_size": SOCKET_READ_BYTES,
+        "client_name": f"kvoffload-{cfg.name}",
+        "username": cfg.username.get_secret_value() if cfg.username else None,
+        "password": cfg.password.get_secret_value() if cfg.password else None,
+    }
+    # One immediate retry, on connection errors only: enough for a pooled connection
+    # a server restart left dead, never a wait (redis-py's default backs off for
+    # seconds). A timeout is not retried: the server was slow, it will be again.
+    retry = Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,))
+    if cfg.url is not None:
+        # A blocking pool: threads beyond max_connections wait for a connection
+        # (up to the socket timeout) instead of failing at once.
+        pool = BlockingConnectionPool.from_url(
+            cfg.url, timeout=cfg.socket_timeout_ms / 1000, retry=retry, **kwargs
+        )
+        return redis.Redis(connection_pool=pool)
+    nodes = [_split_node(n) for n in cfg.nodes or []]
+    # Built "from a url" (the first node's) so that redis-py creates each node's pool
+    # from connection_class and connection_pool_class; given only startup nodes it
+    # would ignore both.
+    host, port = nodes[0]
+    return RedisCluster(
+        url=f"redis://{_url_host(host)}:{port}",
+        startup_nodes=[ClusterNode(h, p) for h, p in nodes[1:]],  # type: ignore[no-untyped-call]
+        retry=retry,
+        connection_pool_class=BlockingConnectionPool,
+        timeout=cfg.socket_timeout_ms / 1000,
+        **kwargs,
+    )
+
+
 def _describe(exc: BaseException, secrets: Sequence[str]) -> str:
     """``exc`` as one short line with any secret masked. redis-py's messages carry
     host:port but no credentials; the masking is for whatever a server might echo."""
@@ -506,44 +555,7 @@ class RedisBackend(Backend):
             return self._client
 
     def _make_client(self) -> _RedisClient:
-        cfg = self.redis_config
-        tls = cfg.url is not None and cfg.url.startswith("rediss://")
-        kwargs: dict[str, Any] = {
-            "connection_class": _counting_connection(
-                SSLConnection if tls else Connection, self._tally, self._sinks
-            ),
-            "max_connections": cfg.max_connections,
-            "socket_timeout": cfg.socket_timeout_ms / 1000,
-            "socket_connect_timeout": cfg.connect_timeout_ms / 1000,
-            "socket_read_size": SOCKET_READ_BYTES,
-            "client_name": f"kvoffload-{self.name}",
-            "username": cfg.username.get_secret_value() if cfg.username else None,
-            "password": cfg.password.get_secret_value() if cfg.password else None,
-        }
-        # One immediate retry, on connection errors only: enough for a pooled connection
-        # a server restart left dead, never a wait (redis-py's default backs off for
-        # seconds). A timeout is not retried: the server was slow, it will be again.
-        retry = Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,))
-        if cfg.url is not None:
-            # A blocking pool: threads beyond max_connections wait for a connection
-            # (up to the socket timeout) instead of failing at once.
-            pool = BlockingConnectionPool.from_url(
-                cfg.url, timeout=cfg.socket_timeout_ms / 1000, retry=retry, **kwargs
-            )
-            return redis.Redis(connection_pool=pool)
-        nodes = [_split_node(n) for n in cfg.nodes or []]
-        # Built "from a url" (the first node's) so that redis-py creates each node's pool
-        # from connection_class and connection_pool_class; given only startup nodes it
-        # would ignore both.
-        host, port = nodes[0]
-        return RedisCluster(
-            url=f"redis://{_url_host(host)}:{port}",
-            startup_nodes=[ClusterNode(h, p) for h, p in nodes[1:]],  # type: ignore[no-untyped-call]
-            retry=retry,
-            connection_pool_class=BlockingConnectionPool,
-            timeout=cfg.socket_timeout_ms / 1000,
-            **kwargs,
-        )
+        return make_client(self.redis_config, self._sinks, self._tally)
 
     def _run(
         self, op: str, n: int, queue: Callable[[Any], None], *, wrong_type_ok: bool = False

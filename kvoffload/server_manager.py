@@ -14,10 +14,15 @@ time it is read is a miss, which the read's verification reports like any other.
 
 What the manager does keep is the writes in flight (so the same block is not queued
 twice), the blocks this process stored since the last answer (so a lookup right after
-a store sees them), and a bounded memory of blocks the server said it had: those are
-not written back when a hit promoted from the server is copied down again (a stale
-memory costs a miss later, never data). Slots are nominal: the backend addresses
-values by key.
+a store sees them), and a bounded memory of blocks the server said it had or that this
+process stored there: those are not written back when a hit promoted from the server
+is copied down again. The server's word is the newest, so an answer that a block is
+missing wipes every memory of it (unless this process stored it after the question
+left): the server evicted it, and the next time the engine computes it, it is written
+again. Without that, a block the server once held would never be stored again by this
+process, and the hottest prefixes of a replica under server eviction would silently
+stop being shared (issue 23). A memory left stale without a lookup in between costs a
+miss later, never data. Slots are nominal: the backend addresses values by key.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from kvoffload.exceptions import BackendError
 from kvoffload.keys import BlockKey
@@ -33,13 +38,16 @@ from kvoffload.manager import OffloadingEvent, OffloadingManager, PrepareStoreOu
 
 logger = logging.getLogger(__name__)
 
+_V = TypeVar("_V")
+
 NOMINAL_SLOT = 0
 """The slot handed out for every block: the backend ignores slots."""
 RECENT_STORES = 4096
 """Blocks this process stored that a lookup counts as held before the server's next
 answer about them (bounded: older ones are the server's word only)."""
 SEEN = 65536
-"""Blocks the server reported, remembered so that they are not written again."""
+"""Blocks the server reported or this process stored, remembered so that they are not
+written again; forgotten as soon as the server reports them missing."""
 
 
 class KeyedStore(Protocol):
@@ -59,14 +67,21 @@ class ServerBookedManager(OffloadingManager):
         self._lock = threading.Lock()
         self._answer: dict[BlockKey, bool] = {}
         self._writing: set[BlockKey] = set()
-        self._recent: dict[BlockKey, None] = {}  # insertion-ordered, bounded
+        self._stores = 0
+        """Successful store batches so far: orders a store against a question."""
+        self._recent: dict[BlockKey, int] = {}  # -> its store's number; bounded
         self._seen: dict[BlockKey, None] = {}  # insertion-ordered, bounded
 
     # -- asking the server ---------------------------------------------------------------
     def refresh(self, keys: Sequence[BlockKey]) -> bool:
         """Ask the server which of ``keys`` it holds (one batched round trip per node);
-        the answer serves :meth:`ready` and :meth:`lookup` until the next call.
-        ``False`` when the server could not answer: then nothing counts as held."""
+        the answer serves :meth:`ready` and :meth:`lookup` until the next call, and
+        replaces what the manager remembered of those keys: one reported missing is
+        forgotten (see the module docstring), unless this process stored it after the
+        question was sent (the answer is older than that store). ``False`` when the
+        server could not answer: then nothing counts as held."""
+        with self._lock:
+            asked_at = self._stores
         try:
             found = self._store.exists(keys) if keys else []
         except BackendError as exc:
@@ -76,10 +91,17 @@ class ServerBookedManager(OffloadingManager):
             return False
         answer = dict(zip(keys, found, strict=True))
         with self._lock:
-            for key in keys:  # the server's word is newer than our memory of a store
+            held: list[BlockKey] = []
+            for key, there in answer.items():
+                if self._recent.get(key, -1) > asked_at:
+                    continue  # stored after the question left: newer than the answer
                 self._recent.pop(key, None)
+                if there:
+                    held.append(key)
+                else:
+                    self._seen.pop(key, None)
             self._answer = answer
-            _remember(self._seen, [k for k, found in answer.items() if found], SEEN)
+            _remember(self._seen, held, SEEN, None)
         return True
 
     @property
@@ -137,8 +159,9 @@ class ServerBookedManager(OffloadingManager):
         with self._lock:
             self._writing.difference_update(keys)
             if success:
-                _remember(self._recent, keys, RECENT_STORES)
-                _remember(self._seen, keys, SEEN)
+                self._stores += 1
+                _remember(self._recent, keys, RECENT_STORES, self._stores)
+                _remember(self._seen, keys, SEEN, None)
 
     def remove(self, keys: Sequence[BlockKey]) -> list[int]:
         """Forget ``keys`` here; the server's copies are left alone (another engine may
@@ -159,10 +182,11 @@ class ServerBookedManager(OffloadingManager):
         return []
 
 
-def _remember(memory: dict[BlockKey, None], keys: Sequence[BlockKey], cap: int) -> None:
-    """Add ``keys`` as the newest of ``memory``, forgetting the oldest past ``cap``."""
+def _remember(memory: dict[BlockKey, _V], keys: Sequence[BlockKey], cap: int, value: _V) -> None:
+    """Add ``keys`` (each with ``value``) as the newest of ``memory``, forgetting the
+    oldest past ``cap``."""
     for key in keys:
         memory.pop(key, None)
-        memory[key] = None
+        memory[key] = value
     while len(memory) > cap:
         del memory[next(iter(memory))]

@@ -17,6 +17,7 @@ from kvoffload.layout import KVLayout
 from kvoffload.lru_manager import LRUOffloadingManager
 from kvoffload.manager import OffloadingManager
 from kvoffload.registry import create_backend
+from kvoffload.server_events import EventfulServerManager
 from kvoffload.server_manager import ServerBookedManager
 
 
@@ -51,7 +52,10 @@ def build_tiers(config: KVOffloadConfig, layout: KVLayout, *, events: bool = Fal
             backend = create_backend(tier_config, layout)
             manager: OffloadingManager
             if backend.server_booked:
-                manager = ServerBookedManager(backend, backend.num_slots, name=tier_config.name)
+                # With events: what this engine stored there, and what a lookup found
+                # gone since (kvoffload.server_events).
+                booked = EventfulServerManager if events else ServerBookedManager
+                manager = booked(backend, backend.num_slots, name=tier_config.name)
                 tiers.append(Tier(tier_config.name, backend, manager))
                 if i == 0:
                     raise ConfigError(

@@ -27,6 +27,16 @@ KEYS = (
     "redis_raw_get_gbps",
     "store_vs_raw",
     "load_vs_raw",
+    "redis_tuned_set_gbps",
+    "redis_tuned_get_gbps",
+    "store_vs_tuned",
+    "load_vs_tuned",
+)
+CEILING = (
+    "redis_benchmark_set_gbps",
+    "redis_benchmark_get_gbps",
+    "store_vs_redis_benchmark",
+    "load_vs_redis_benchmark",
 )
 
 
@@ -65,8 +75,34 @@ def test_bench_measures_redis_tier_against_raw(server: RedisServer) -> None:
             assert _positive_finite(row[key]), (row["block_bytes"], key)
         assert row["store_vs_raw"] == row["store_gbps"] / row["redis_raw_set_gbps"]
         assert row["load_vs_raw"] == row["load_gbps"] / row["redis_raw_get_gbps"]
+        assert row["store_vs_tuned"] == row["store_gbps"] / row["redis_tuned_set_gbps"]
+        assert row["load_vs_tuned"] == row["load_gbps"] / row["redis_tuned_get_gbps"]
+        # redis-benchmark is installed beside redis-server here: the ceiling is run.
+        n = max(row["blocks"], 32)
+        assert row["redis_benchmark"].endswith(
+            f"-P 32 -d {row['value_bytes']} -c 1 -n {n} -t set,get --csv"
+        ), row["redis_benchmark"]
+        for key in CEILING:
+            assert _positive_finite(row[key]), (row["block_bytes"], key)
+        assert row["load_vs_redis_benchmark"] == (
+            row["load_gbps"] / row["redis_benchmark_get_gbps"]
+        )
     with server.client() as c:
-        assert c.dbsize() == 0  # every key of the bench removed
+        assert c.dbsize() == 0  # every key of the bench removed, redis-benchmark's too
+
+
+def test_bench_redis_without_redis_benchmark(
+    server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without redis-benchmark on PATH the row says so, and its figures are None."""
+    _, tier = _tier(url=server.url())
+    monkeypatch.setenv("PATH", "/nonexistent")
+    row = bench_redis(tier, 256 * KIB, 1 * MIB, reps=1)
+    assert row["redis_benchmark"] == "not run: redis-benchmark is not installed (PATH)"
+    for key in CEILING:
+        assert row[key] is None, key
+    for key in KEYS:
+        assert _positive_finite(row[key]), key
 
 
 def test_bench_redis_on_a_cluster(tmp_path: Path) -> None:
@@ -77,6 +113,7 @@ def test_bench_redis_on_a_cluster(tmp_path: Path) -> None:
         row = bench_redis(tier, 256 * KIB, 2 * MIB, reps=1, batch=4)
         for key in KEYS:
             assert _positive_finite(row[key]), key
+        assert row["redis_benchmark"] == "not run: the tier is a cluster"
         for srv in cluster.servers:
             with srv.client() as c:
                 assert c.dbsize() == 0

@@ -29,6 +29,8 @@ from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
 from support.checkout import KVOFFLOAD
 
+from kvoffload.layout import DTYPE_NAMES
+from kvoffload.lookup import FP8_CACHES, HASH_ALGOS
 from kvoffload.sizes import parse_size
 from kvoffload.tools.cli import _parser, main
 
@@ -388,6 +390,31 @@ def commands(f: Files) -> tuple[Command, ...]:
             ),
         ),
         Command(
+            ("lookup",),
+            (
+                config,
+                Flag("--prompts", None, unreadable(f.garbage, f.bad_yaml, f.config, f.empty)),
+                Flag("--block-size", st.sampled_from(["16", "32"]), bad_int(1)),
+                Flag("--hash-algo", st.just("sha256"), bad_choice(set(HASH_ALGOS))),
+                Flag("--hash-seed", st.sampled_from(["0", "42", "random"])),
+                Flag(
+                    "--fingerprint",
+                    None,
+                    st.one_of(st.sampled_from(["ab", "zz" * 16, "0" * 31, "0" * 32 + ","]), junk),
+                ),
+                Flag("--model-id", st.just("m@main"), st.sampled_from(["", "a\nb", "\x85"])),
+                *(
+                    Flag(name, st.integers(1, 64).map(str), bad_int(1))
+                    for name in ("--num-layers", "--num-kv-heads", "--head-dim")
+                ),
+                Flag("--tensor-parallel-size", st.sampled_from(["1", "2"]), bad_int(1)),
+                Flag("--dtype", st.just("float16"), bad_choice(set(DTYPE_NAMES))),
+                Flag("--cache-dtype", st.just("fp8"), bad_choice({"auto", "fp8", *FP8_CACHES})),
+                Flag("--mla", None, switch=True),
+                Flag("--json", out, unwritable),
+            ),
+        ),
+        Command(
             ("snapshot", "export"),
             (config, tier),
             positional=("out", st.just(str(f.cwd / "snap.safetensors")), unwritable),
@@ -547,7 +574,7 @@ def group_cases(draw: st.DrawFn) -> Case:
     group = draw(st.sampled_from([(), ("config",), ("snapshot",)]))
     dest = {(): "command", ("config",): "config_command", ("snapshot",): "snapshot_command"}
     choices = {
-        (): {"config", "backends", "stress", "inspect", "verify", "bench", "snapshot"},
+        (): {"config", "backends", "stress", "inspect", "verify", "bench", "snapshot", "lookup"},
         ("config",): {"validate", "schema"},
         ("snapshot",): {"export", "import"},
     }[group]

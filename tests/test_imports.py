@@ -36,11 +36,11 @@ the ones below, never from above, and within a layer only without cycles:
 
 1. basic data: config, keys, layout, sizes, exceptions, record, slots, dirlock, plugins,
    metrics;
-2. bookkeeping: manager, lru_manager, policies;
+2. bookkeeping: manager, lru_manager, server_manager, server_events, policies, plans;
 3. storage: backend, registry, tier, hostcopy, and the backends;
 4. data movement: blockpool, transfer, books, claims, devicelane, datapath, jobs;
 5. the offloader;
-6. on top: the connectors, the tools (CLI, stress, maintenance, benchmarks),
+6. on top: the connectors, the tools (CLI, stress, maintenance, benchmarks, lookup),
    kvoffload.testing, and the package's own ``__init__`` / ``__main__``.
 
 A module missing from :data:`LAYERS` fails the test: a new module takes a place in
@@ -83,7 +83,10 @@ LAYERS: Final[dict[int, tuple[str, tuple[str, ...]]]] = {
             "metrics",
         ),
     ),
-    2: ("bookkeeping", ("manager", "lru_manager", "server_manager", "policies", "plans")),
+    2: (
+        "bookkeeping",
+        ("manager", "lru_manager", "server_manager", "server_events", "policies", "plans"),
+    ),
     3: (
         "storage",
         # hostcopy: the host-memory copy helpers the memory tiers and the block pool share.
@@ -106,7 +109,8 @@ LAYERS: Final[dict[int, tuple[str, tuple[str, ...]]]] = {
         ),
     ),
     5: ("offloader", ("offloader",)),
-    6: ("on top", ("connectors", "tools", "testing", "__main__")),
+    # ``lookup``: a router's question to the shared tier, a tool beside the CLI.
+    6: ("on top", ("connectors", "tools", "lookup", "testing", "__main__")),
 }
 """Layer -> (its name, the modules or subpackages in it, relative to ``kvoffload``).
 A subpackage's entry covers every module under it."""

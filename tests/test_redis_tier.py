@@ -1,12 +1,16 @@
 """The redis tier inside the Offloader, against real ``redis-server`` processes: the
 cascade (cpu -> redis, cpu -> mmap -> redis), hits promoted into the cpu tier, two
 Offloaders (replicas) sharing one server, books that live on the server (one round
-trip per lookup, no local LRU), and the server down at start, killed mid-run and
-restarted: misses and counted errors, never an exception, hits back within 5 s."""
+trip per lookup, no local LRU; a block the server lost is stored again, and under
+server eviction two replicas hit as often as an LRU of the server would), and the
+server down at start, killed mid-run and restarted: misses and counted errors, never
+an exception, hits back within 5 s."""
 
 from __future__ import annotations
 
+import random
 import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +25,7 @@ from kvoffload.exceptions import ConfigError
 from kvoffload.keys import BlockKey
 from kvoffload.offloader import Offloader
 from kvoffload.server_manager import ServerBookedManager
+from kvoffload.tools.workloads import make_workload
 
 
 def _redis(server: RedisServer, **settings: Any) -> dict[str, Any]:
@@ -210,3 +215,124 @@ def test_on_evict_and_admission_into_the_server(server: RedisServer) -> None:
         _store(off, make_keys(8, 23))
         _store(off, keys)  # stored again after one load: admitted this time
         assert off.stats[1].blocks_stored > 0
+
+
+def test_a_block_the_server_lost_is_stored_again(server: RedisServer) -> None:
+    """Issue 23: 8 blocks stored through a cpu tier of 8 into the server; the server
+    loses them (flushed, as an eviction would) and the cpu tier evicts them; the engine
+    asks for them (a miss everywhere), computes and stores them again: they must reach
+    the server, where a second Offloader finds all 8."""
+    keys = make_keys(8, 30)
+    with _offloader([_cpu(8), _redis(server)]) as off:
+        _store(off, keys)
+        assert off.lookup(keys) == 8
+        stored = off.stats[1].blocks_stored
+        server.client().flushall()
+        _store(off, make_keys(8, 31))  # pushes `keys` out of the cpu tier
+        assert off.lookup(keys) == 0  # the engine's lookup: gone everywhere
+        _store(off, keys)  # computed again
+        assert off.stats[1].blocks_stored == stored + 16
+    with _offloader([_cpu(8), _redis(server)]) as other:
+        assert other.lookup(keys) == 8
+        assert _claim_and_load(other, keys) == 8
+
+
+class _ServerLru:
+    """What a Redis server under ``allkeys-lru`` holds, simulated for a replayed request
+    stream. Recency is the server's own clock, which counts whole seconds (Redis
+    stamps a key with its LRU clock, of 1 s resolution): among the keys of the oldest
+    second, the victim is drawn at random (``seed``), as the server's sampling draws
+    it. The capacity is what the real server held after the same request (its
+    ``DBSIZE``), so that memory overhead and client buffers cost both the same."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.stamp: dict[BlockKey, int] = {}
+        self.seconds: OrderedDict[int, dict[BlockKey, None]] = OrderedDict()
+
+    def _put(self, key: BlockKey, second: int) -> None:
+        old = self.stamp.get(key)
+        if old is not None:
+            del self.seconds[old][key]
+        self.stamp[key] = second
+        self.seconds.setdefault(second, {})[key] = None
+
+    def request(self, keys: list[BlockKey], second: int, capacity: int) -> int:
+        """Serve one request as the tier does: ``GET`` the held prefix (a use), ``SET``
+        the computed blocks the server lacks (those it holds past a gap are not
+        rewritten), then evict down to ``capacity``; the prefix length."""
+        hit = 0
+        while hit < len(keys) and keys[hit] in self.stamp:
+            hit += 1
+        for i, key in enumerate(keys):
+            if i < hit or key not in self.stamp:
+                self._put(key, second)
+        while len(self.stamp) > capacity:
+            oldest = next(iter(self.seconds))
+            bucket = self.seconds[oldest]
+            if not bucket:
+                del self.seconds[oldest]
+                continue
+            victim = self.rng.choice(list(bucket))
+            del bucket[victim], self.stamp[victim]
+        return hit
+
+
+def test_two_replicas_under_server_eviction_match_a_simulated_lru(tmp_path: Path) -> None:
+    """Issue 23: a server under ``allkeys-lru`` with a working set several times its
+    ``maxmemory``, two replicas (Offloaders) taking turns on one zipf request stream.
+    Each request empties the replica's cpu tier first, so every hit is the server's.
+    Their hit rate must match an LRU of the server simulated on the same stream within
+    0.02: a replica that kept believing the server held blocks it had evicted would
+    never store them again, and lose the hits an LRU keeps."""
+    require_redis()
+    srv = RedisServer(tmp_path / "redis", maxmemory="7mb").start()
+    try:
+        stats = srv.client()
+        # A finer clock for the LRU stamps' seconds (cron updates it), and samples
+        # enough that the victim is one of the oldest second's keys.
+        stats.config_set("hz", 100)
+        stats.config_set("maxmemory-samples", 64)
+        stream = make_workload(
+            "zipf", prefixes=200, prefix_blocks=4, suffix_blocks=1, zipf_alpha=0.9, seed=7
+        )
+        requests = [stream.next() for _ in range(1400)]
+        real: list[tuple[int, int, int, int]] = []  # (second, hit, blocks, dbsize)
+        tiers = [_cpu(8), _redis(srv)]
+        with _offloader(tiers) as a, _offloader(tiers) as b:
+            t0 = time.monotonic()
+            for i, keys in enumerate(requests):
+                off = (a, b)[i % 2]
+                second = int(time.time())
+                off.clear_first_tier()
+                hit = _claim_and_load(off, keys)
+                if hit < len(keys):
+                    _store(off, keys[hit:])
+                real.append((second, hit, len(keys), int(stats.dbsize())))
+            took = time.monotonic() - t0
+            evicted = int(srv.info("stats")["evicted_keys"])
+            lost = a.stats[1].lost_blocks + b.stats[1].lost_blocks
+        start = len(requests) // 3  # counted once the server is full (checked below)
+        got = sum(r[1] for r in real[start:]) / sum(r[2] for r in real[start:])
+        rates = []
+        for seed in range(5):
+            sim = _ServerLru(seed)
+            hits = [sim.request(k, r[0], r[3]) for k, r in zip(requests, real, strict=True)]
+            rates.append(sum(hits[start:]) / sum(r[2] for r in real[start:]))
+        want = sum(rates) / len(rates)
+        exact = _ServerLru(0)  # for the record: an LRU by request order, not seconds
+        pairs = enumerate(zip(requests, real, strict=True))
+        ideal = [exact.request(k, i, r[3]) for i, (k, r) in pairs]
+        print(
+            f"{len(requests)} requests in {took:.1f} s, server full from request {start}, "
+            f"{evicted} evicted, {lost} lost between lookup and read, capacity "
+            f"{min(r[3] for r in real[start:])}..{max(r[3] for r in real[start:])} keys; "
+            f"hit rate {got:.4f}, simulated LRU {want:.4f} "
+            f"({', '.join(f'{r:.4f}' for r in rates)}; by request order: "
+            f"{sum(ideal[start:]) / sum(r[2] for r in real[start:]):.4f})"
+        )
+        assert real[start][3] >= 0.9 * max(r[3] for r in real)  # full by then
+        assert evicted > 2 * real[-1][3]  # the working set is well past maxmemory
+        assert abs(got - want) <= 0.02
+    finally:
+        srv.kill()

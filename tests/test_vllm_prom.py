@@ -243,7 +243,16 @@ def test_stores_and_evictions_become_vllm_kv_events(events_on: Engine) -> None:
     events, stats = eng.step(a, [0, 1, 2, 3], len(a.prompt_token_ids or []))
     assert [type(e) for e in events] == [BlockStored] * 3
     assert [e.block_hashes for e in events] == [[h] for h in hashes_a]
-    assert {(e.medium, e.ownership) for e in events} == {("CPU", "cpu")}
+    assert {(e.medium, e.locality, e.ownership) for e in events} == {("CPU", "LOCAL", "cpu")}
+    # Self-describing, as vLLM's own offloading publishes: the block's tokens, its
+    # parent's hash, the block size, the group and its kind.
+    tokens = prompt(0)
+    assert [e.token_ids for e in events] == [tokens[i * BLOCK : (i + 1) * BLOCK] for i in range(3)]
+    assert [e.parent_block_hash for e in events] == [None, *hashes_a[:2]]
+    assert {(e.block_size, e.group_idx, e.kv_cache_spec_kind) for e in events} == {
+        (BLOCK, 0, "full_attention")
+    }
+    assert {(e.lora_id, e.lora_name) for e in events} == {(None, None)}
     assert stats is not None
     assert stats.data["tokens_stored"] == 3 * BLOCK
     assert stats.data["tier.cpu.blocks_stored"] == 3
@@ -261,7 +270,7 @@ def test_stores_and_evictions_become_vllm_kv_events(events_on: Engine) -> None:
     evicted = [h for e in removed for h in e.block_hashes]
     assert len(evicted) == 2
     assert set(evicted) <= set(hashes_a)
-    assert all((e.medium, e.ownership) == ("CPU", "cpu") for e in removed)
+    assert all((e.medium, e.locality, e.ownership) == ("CPU", "LOCAL", "cpu") for e in removed)
     # Nothing is reported twice.
     assert list(eng.scheduler.take_events()) == []
 
@@ -443,6 +452,60 @@ def test_a_request_that_ends_while_queued_leaves_nothing_behind(
         assert set(health["pinned"]) == {0}
     finally:
         eng.close()
+
+
+def test_disk_tier_events_and_a_promotion_describe_their_blocks(
+    model_dir: str, tmp_path: Path
+) -> None:
+    """A disk tier's stores are ``STORAGE`` / ``LOCAL``; on a new engine (the cpu tier
+    empty), a hit prefetched from the disk is stored into the cpu tier, and that event
+    too carries the blocks' tokens and parents (sent with the load)."""
+    tiers = _disk_tiers(tmp_path)
+    first = Engine(vllm_config(model_dir, tiers, events=True))
+    try:
+        a = first.request("a", prompt(0))
+        first.admit(a, [0, 1, 2, 3])
+        events, _ = first.step(a, [0, 1, 2, 3], len(a.prompt_token_ids or []))
+        _REGISTRY[first.worker.engine_id].offloader.drain()
+        events += first.step(first.request("short", [1, 2, 3]), [5], 3)[0]  # stores none
+    finally:
+        first.close()
+    assert {(e.medium, e.locality) for e in events if e.ownership == "ssd"} == {
+        ("STORAGE", "LOCAL")
+    }
+    events = [e for e in events if e.ownership == "ssd"]
+    hashes = [maybe_convert_block_hash(h) for h in a.block_hashes]
+    assert [e.block_hashes for e in events] == [[h] for h in hashes]
+    assert [e.parent_block_hash for e in events] == [None, *hashes[:2]]
+
+    eng = Engine(vllm_config(model_dir, tiers, events=True))
+    try:
+        again = eng.request("again", prompt(0))
+        assert _hit(eng, again, [8, 9, 10, 11]) == 3 * BLOCK
+        events, _ = eng.step(again, [8, 9, 10, 11], 1)
+    finally:
+        eng.close()
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    assert {(e.medium, e.locality, e.ownership) for e in stored} == {("CPU", "LOCAL", "cpu")}
+    assert [e.block_hashes for e in stored] == [[h] for h in hashes]
+    tokens = prompt(0)
+    assert [e.token_ids for e in stored] == [tokens[i * BLOCK : (i + 1) * BLOCK] for i in range(3)]
+    assert [e.parent_block_hash for e in stored] == [None, *hashes[:2]]
+
+
+def test_events_off_send_no_block_details_to_the_worker(events_off: Engine) -> None:
+    """With events off a store carries its keys and block ids only."""
+    eng = events_off
+    a = eng.request("a", prompt(0))
+    eng.admit(a, [0, 1, 2, 3])
+    out = SchedulerOutput.make_empty()
+    out.scheduled_new_reqs = []
+    out.num_scheduled_tokens = {"a": len(a.prompt_token_ids or [])}
+    eng.scheduler._scheduler_side()._reqs["a"].block_ids = [[0, 1, 2, 3]]
+    meta = eng.scheduler.build_connector_meta(out)
+    assert [len(s.keys) for s in meta.stores] == [3]
+    assert [s.events for s in meta.stores] == [None]
+    eng.scheduler.request_finished(a, [0, 1, 2, 3])
 
 
 def _repeat_sources(eng: Engine) -> dict[Any, int]:

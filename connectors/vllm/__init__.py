@@ -57,7 +57,9 @@ side takes the smallest answer of all ranks (``None`` if any is undecided).
 - **Stats** reach vLLM as :class:`TieredOffloadStats` (deltas from the worker side),
   and Prometheus as ``vllm:kvoffload_*`` counters (:class:`TieredOffloadPromMetrics`).
 - **KV events** (with ``kv_events_config.enable_kv_cache_events``): the worker side
-  turns its tiers' store and eviction records into vLLM ``BlockStored`` /
+  turns its tiers' store and eviction records into self-describing vLLM
+  ``BlockStored`` (tokens, parent hash, block size, LoRA, group, medium and locality:
+  the blocks' details come from the scheduler side with each store and load) /
   ``BlockRemoved`` events and sends them with its step output
   (``get_kv_connector_kv_cache_events``); the scheduler side collects them in
   ``update_connector_output`` and hands them to vLLM's publisher in ``take_events``.
@@ -102,14 +104,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from .affinity import _rank_affinity as _rank_affinity
 from .affinity import rank_cpus
 from .config import (
+    CONSUMER,
     SUPPORTED,
     _events_enabled,
     _per_rank,
     _warn_about_late_failures,
+    _warn_about_unshared_roles,
     check_vllm_version,
     config_from_vllm,
     layout_from_vllm,
     options_from_vllm,
+    role_from_vllm,
 )
 from .events import MAX_EVENT_HASHES, BlockHash, TieredOffloadKVEvents
 from .groups import groups_from_vllm
@@ -222,8 +227,10 @@ class TieredOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
         self._events_enabled = _events_enabled(vllm_config)
         self._scheduler: TieredOffloadScheduler | None = None
         self._worker: TieredOffloadWorker | None = None
+        self.kv_role = role_from_vllm(transfer)
         if role == KVConnectorRole.SCHEDULER:
             _warn_about_late_failures(self.config, transfer)
+            _warn_about_unshared_roles(self.config, self.kv_role)
             self._scheduler = TieredOffloadScheduler(
                 engine_id=self.engine_id,
                 slot=self._slot,
@@ -240,6 +247,8 @@ class TieredOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
                 async_min_bytes=float("inf")
                 if self.replicated
                 else float(self.config.async_load_min_bytes),
+                role=self.kv_role,
+                producer_wait_s=self.config.load_timeout_ms / 1e3,
             )
         else:
             self._worker = TieredOffloadWorker(
@@ -254,7 +263,10 @@ class TieredOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
                 layerwise=self.options["layerwise_loads"],
                 groups=self.groups,
                 replicated=self.replicated,
-                load_or_recompute=self.options["load_or_recompute"],
+                # A consumer (a decode engine) loads every hit: computing a prompt's
+                # blocks is the prefill engine's work, and a hit cut short would look
+                # like one whose blocks the producer is still storing.
+                load_or_recompute=self.options["load_or_recompute"] and self.kv_role != CONSUMER,
             )
 
     def _scheduler_side(self) -> TieredOffloadScheduler:

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any, Final
 from kvoffload.config import KVOffloadConfig, load_config
 from kvoffload.exceptions import ConfigError
 from kvoffload.layout import KVLayout
+from kvoffload.lookup import FP8_CACHES as _FP8_CACHES
+from kvoffload.lookup import vllm_layout
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -131,7 +133,7 @@ def model_id_from_vllm(vllm_config: VllmConfig) -> str:
     return f"{model.model}@{revision}" if revision else str(model.model)
 
 
-FP8_CACHES: Final = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
+FP8_CACHES: Final = _FP8_CACHES
 """vLLM's fp8 ``cache_dtype`` values and the format each stores (``"fp8"`` is e4m3, as
 vLLM reads it). vLLM keeps an fp8 cache in ``uint8`` tensors; kvoffload stores those
 bytes as they are, under a fingerprint that names the format, so that a block written
@@ -150,26 +152,17 @@ def layout_from_vllm(vllm_config: VllmConfig, *, mla: bool = False) -> KVLayout:
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     cache = vllm_config.cache_config
-    where = "mla" if mla else f"tp{parallel.rank}"
-    namespace = f"vllm:{model_id_from_vllm(vllm_config)}:{where}"
-    if cache.cache_dtype == "auto":
-        dtype = str(model.dtype).removeprefix("torch.")
-    elif cache.cache_dtype in FP8_CACHES:
-        dtype = "uint8"
-        namespace += f":cache={FP8_CACHES[cache.cache_dtype]}"
-    else:
-        raise ConfigError(
-            f"cache_dtype = {cache.cache_dtype!r} is not supported by kvoffload yet; use "
-            f"cache_dtype='auto' or one of {', '.join(repr(d) for d in FP8_CACHES)}"
-        )
-    return KVLayout(
+    # The formula a router's prefix lookup shares (kvoffload.lookup): keep it there.
+    return vllm_layout(
+        model_id=model_id_from_vllm(vllm_config),
+        where="mla" if mla else f"tp{parallel.rank}",
         num_layers=model.get_num_layers(parallel),
         num_kv_heads=1 if mla else model.get_num_kv_heads(parallel),
         head_dim=model.get_head_size(),
         block_size=cache.block_size,
-        dtype=dtype,
+        dtype=str(model.dtype),
+        cache_dtype=cache.cache_dtype,
         kv_factor=1 if mla else 2,
-        namespace=namespace,
     )
 
 
@@ -220,6 +213,36 @@ def _warn_about_late_failures(config: KVOffloadConfig, transfer: Any) -> None:
             "default): hits are verified before they are claimed, but a late load error "
             "(an I/O error in the first tier) fails its request; set "
             "kv_load_failure_policy='recompute' to recompute such blocks instead"
+        )
+
+
+BOTH: Final = "kv_both"
+PRODUCER: Final = "kv_producer"
+CONSUMER: Final = "kv_consumer"
+ROLES: Final = (BOTH, PRODUCER, CONSUMER)
+"""vLLM's ``kv_role`` values, the default first."""
+
+
+def role_from_vllm(transfer: Any) -> str:
+    """``kv_transfer_config.kv_role``: ``kv_both`` (the default: store and load),
+    ``kv_producer`` (a prefill engine: store only) or ``kv_consumer`` (a decode engine:
+    load only, waiting for what a producer is still storing)."""
+    role = getattr(transfer, "kv_role", None) or BOTH
+    if role not in ROLES:
+        raise ConfigError(f"kv_transfer_config.kv_role = {role!r}: expected one of {list(ROLES)}")
+    return str(role)
+
+
+def _warn_about_unshared_roles(config: KVOffloadConfig, role: str) -> None:
+    """A producer's blocks reach a consumer only through a tier both engines share (a
+    redis tier): say so at start when the role is set and there is none."""
+    if role == BOTH:
+        return
+    if not any(t.backend == "redis" for t in config.resolved_tiers()):
+        logger.warning(
+            "kvoffload: kv_role = %s, but no tier is shared between engines (a redis "
+            "tier): a producer's blocks never reach a consumer in another process",
+            role,
         )
 
 

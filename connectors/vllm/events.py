@@ -10,9 +10,11 @@ and neither owns it: the worker side makes the events, the scheduler side publis
 
 from __future__ import annotations
 
+from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
-from typing import Any, Final
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
 
 from vllm.distributed.kv_events import (
     MEDIUM_CPU,
@@ -28,18 +30,97 @@ from kvoffload.keys import BlockKey
 from kvoffload.offloader import Offloader
 from kvoffload.tier import Tier
 
+from .groups import Group
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
 MAX_EVENT_HASHES: Final = 1 << 20
-"""Most keys whose vLLM block hash the worker side keeps for KV events (about 200 bytes
-each), when the tiers' capacities add up to more blocks."""
+"""Most keys no tier holds whose vLLM block (hash, parent hash, tokens) the worker side
+keeps for KV events (about 400 bytes each with 32-token blocks), when the tiers'
+capacities add up to more blocks; twice that in all (see :class:`_EventBook`)."""
+
+LOCAL: Final = "LOCAL"
+REMOTE: Final = "REMOTE"
+"""vLLM's ``locality`` values (``vllm.v1.kv_offload.base.Locality``): where a tier's
+storage is relative to the engine that publishes the event."""
 
 
 BlockHash = bytes | int
 """A vLLM block hash as ``request.block_hashes`` holds it (bytes; ints in older vLLM)."""
 
 
+@dataclass(slots=True)
+class EventBlocks:
+    """What a self-describing event needs of some blocks of one request, beyond their
+    keys: sent by the scheduler side with a store or a load only when KV events are on.
+    Block ``i`` is ``hashes[i]``, the block before it in its request ``parents[i]``
+    (``None`` for a request's first block), and its tokens
+    ``tokens[i * block_size : (i + 1) * block_size]``."""
+
+    hashes: list[BlockHash]
+    parents: list[BlockHash | None]
+    tokens: list[int]
+    block_size: int
+    lora_id: int | None = None
+    lora_name: str | None = None
+
+    @classmethod
+    def of(cls, request: Request, positions: Sequence[int], block_size: int) -> EventBlocks:
+        """Blocks ``positions`` of ``request`` (each a full block of its tokens)."""
+        hashes = request.block_hashes
+        tokens = request.all_token_ids
+        lora = request.lora_request
+        return cls(
+            [hashes[p] for p in positions],
+            [hashes[p - 1] if p > 0 else None for p in positions],
+            [t for p in positions for t in tokens[p * block_size : (p + 1) * block_size]],
+            block_size,
+            None if lora is None else int(lora.adapter_id),
+            None if lora is None else str(lora.name),
+        )
+
+    def part(self, start: int, stop: int) -> EventBlocks:
+        """Blocks ``[start, stop)`` of these."""
+        bs = self.block_size
+        return EventBlocks(
+            self.hashes[start:stop],
+            self.parents[start:stop],
+            self.tokens[start * bs : stop * bs],
+            bs,
+            self.lora_id,
+            self.lora_name,
+        )
+
+
+@dataclass(slots=True)
+class _Block:
+    """What the worker side keeps of one key for its events."""
+
+    block_hash: BlockHash
+    parent: BlockHash | None
+    tokens: array[int]
+    lora_id: int | None
+    lora_name: str | None
+    group: int
+    tiers: int = 0
+    """The tiers told holding it (a bit per tier)."""
+
+
 def _medium(tier: Tier) -> str:
-    """vLLM's event medium for a tier: memory, or storage for a persistent backend."""
+    """vLLM's event medium for a tier: memory (``CPU``), or ``STORAGE`` for a
+    persistent backend (a disk, or a shared server: vLLM's own secondary tiers, a file
+    system or an object store, local or remote, are ``STORAGE`` too)."""
     return str(MEDIUM_STORAGE if tier.backend.persistent else MEDIUM_CPU)
+
+
+def _locality(tier: Tier) -> str:
+    """``REMOTE`` for a shared server's tier (other engines read and write it, and it
+    evicts by itself), ``LOCAL`` for a tier of this engine's host."""
+    return REMOTE if tier.backend.server_booked else LOCAL
+
+
+_SPEC_KINDS: Final = {"full": "full_attention", "sliding": "sliding_window", "mamba": "mamba"}
 
 
 class _EventBook:
@@ -47,29 +128,55 @@ class _EventBook:
 
     Every tier's manager records the keys it made ready (``removed=False``) and the keys
     it evicted or dropped (``removed=True``), whoever caused it: engine stores, copies
-    down the chain, promotions, eviction, corruption. The Offloader records them only
-    when events are enabled (``Offloader(events=True)``), and they are drained here
-    every step. Keys are namespaced digests that cannot be turned
-    back into vLLM's hashes, so the scheduler side sends each store's and load's hashes
-    along (only when events are enabled) and they are remembered here per key: the
-    ``cap`` most recently stored or loaded, ``cap`` being what the tiers hold together,
-    so that a key is normally forgotten only after it has left them. The oldest are
-    forgotten after each step's records are translated, not as new keys arrive: a
-    step's stores evict the oldest blocks, whose removal must still be told. Nor are
-    keys forgotten when no tier holds them: an ``on_evict`` tier's copy of an evicted
-    block is queued only after the eviction is recorded, and would be missed. A record
-    for a key whose hash is unknown (a block recovered from disk at start and not
-    loaded since, or forgotten) emits nothing and is counted."""
+    down the chain, promotions, eviction, corruption; a shared server's tier records
+    what this engine stored there and what a lookup found gone since
+    (:class:`~kvoffload.server_events.EventfulServerManager`). The Offloader records
+    them only when events are enabled (``Offloader(events=True)``), and they are
+    drained here every step. Keys are namespaced digests that cannot be turned back
+    into vLLM's hashes, so the scheduler side sends each store's and load's blocks
+    along (:class:`EventBlocks`: hashes, parent hashes, tokens, LoRA; only when events
+    are enabled) and they are remembered here per key.
 
-    def __init__(self, *, enabled: bool, cap: int) -> None:
+    A key is kept as long as a tier is told holding it (the records say which), so its
+    removal can always be told; a key no tier holds (its store still queued, or every
+    tier evicted it: an ``on_evict`` tier's copy of an evicted block is queued only
+    after the eviction is recorded) is kept among the ``cap`` most recent such keys,
+    ``cap`` being what the tiers hold together. Forgetting happens after each step's
+    records are translated, not as keys arrive. Past ``2 * cap`` keys in all (at most
+    2 * :data:`MAX_EVENT_HASHES`), the oldest held ones are forgotten too. A record for
+    a key whose block is unknown (a block recovered from disk at start and not loaded
+    since, or forgotten) emits nothing and is counted."""
+
+    def __init__(self, *, enabled: bool, cap: int, groups: Sequence[Group] = ()) -> None:
         self.enabled = enabled
         self.cap = cap
-        self.hashes: OrderedDict[BlockKey, BlockHash] = OrderedDict()
+        self.blocks: OrderedDict[BlockKey, _Block] = OrderedDict()
+        """Every key known, the most recently remembered or told last."""
+        self.loose: OrderedDict[BlockKey, None] = OrderedDict()
+        """The keys no tier is told holding, the most recent last."""
+        self._bits: dict[str, int] = {}
+        self._specs = {
+            g.index: (g.spec_kind or _SPEC_KINDS.get(g.kind), g.spec_window) for g in groups
+        }
+        self._specs.setdefault(0, (_SPEC_KINDS["full"], None))
 
-    def remember(self, keys: Sequence[BlockKey], hashes: Sequence[BlockHash]) -> None:
-        for key, block_hash in zip(keys, hashes, strict=True):
-            self.hashes[key] = block_hash
-            self.hashes.move_to_end(key)
+    def remember(self, keys: Sequence[BlockKey], blocks: EventBlocks, group: int = 0) -> None:
+        bs = blocks.block_size
+        for i, key in enumerate(keys):
+            old = self.blocks.get(key)
+            self.blocks[key] = _Block(
+                blocks.hashes[i],
+                blocks.parents[i],
+                array("i", blocks.tokens[i * bs : (i + 1) * bs]),
+                blocks.lora_id,
+                blocks.lora_name,
+                group,
+                0 if old is None else old.tiers,
+            )
+            self.blocks.move_to_end(key)
+            if old is None or not old.tiers:
+                self.loose[key] = None
+                self.loose.move_to_end(key)
 
     def take(self, off: Offloader) -> tuple[list[KVCacheEvent], int]:
         """The events since the previous call, and how many records had no known hash."""
@@ -79,42 +186,65 @@ class _EventBook:
         events: list[KVCacheEvent] = []
         unknown = 0
         for tier, ev in records:
-            known = [self.hashes.get(key) for key in ev.keys]
-            hashes = [_external_hash(h) for h in known if h is not None]
-            unknown += len(known) - len(hashes)
-            medium = _medium(tier)
+            bit = self._bits.setdefault(tier.name, 1 << len(self._bits))
+            known = [(key, self.blocks.get(key)) for key in ev.keys]
+            found = [(key, b) for key, b in known if b is not None]
+            unknown += len(known) - len(found)
+            medium, locality = _medium(tier), _locality(tier)
             if ev.removed:
-                if hashes:
-                    events.append(
-                        BlockRemoved(
-                            block_hashes=hashes, medium=medium, group_idx=0, ownership=tier.name
-                        )
+                by_group: dict[int, list[Any]] = {}
+                for key, b in found:
+                    by_group.setdefault(b.group, []).append(_external_hash(b.block_hash))
+                    b.tiers &= ~bit
+                    if not b.tiers:
+                        self.loose[key] = None
+                events.extend(
+                    BlockRemoved(
+                        block_hashes=hashes,
+                        medium=medium,
+                        group_idx=group,
+                        locality=locality,
+                        ownership=tier.name,
                     )
-                continue
-            # The shape of vLLM's own OffloadingConnector's default events: one per
-            # block, its hash only (no parent, tokens or block size are known here).
-            events.extend(
-                BlockStored(
-                    block_hashes=[h],
-                    parent_block_hash=None,
-                    token_ids=[],
-                    block_size=0,
-                    lora_id=None,
-                    medium=medium,
-                    lora_name=None,
-                    group_idx=0,
-                    ownership=tier.name,
+                    for group, hashes in by_group.items()
                 )
-                for h in hashes
-            )
-        while len(self.hashes) > self.cap:
-            self.hashes.popitem(last=False)
+                continue
+            for key, b in found:
+                b.tiers |= bit
+                self.loose.pop(key, None)
+                self.blocks.move_to_end(key)
+            # vLLM's own OffloadingConnector's self-describing events: one per
+            # offloaded block (its chunk is one block here), with its tokens.
+            events.extend(self._stored(b, medium, locality, tier.name) for _, b in found)
+        while len(self.loose) > self.cap:
+            key, _ = self.loose.popitem(last=False)
+            del self.blocks[key]
+        while len(self.blocks) > 2 * self.cap:
+            key, _ = self.blocks.popitem(last=False)
+            self.loose.pop(key, None)
         return events, unknown
+
+    def _stored(self, b: _Block, medium: str, locality: str, tier: str) -> BlockStored:
+        kind, window = self._specs.get(b.group, (None, None))
+        return BlockStored(
+            block_hashes=[_external_hash(b.block_hash)],
+            parent_block_hash=None if b.parent is None else _external_hash(b.parent),
+            token_ids=b.tokens.tolist(),
+            block_size=len(b.tokens),
+            lora_id=b.lora_id,
+            medium=medium,
+            lora_name=b.lora_name,
+            group_idx=b.group,
+            kv_cache_spec_kind=kind,
+            kv_cache_spec_sliding_window=window,
+            locality=locality,
+            ownership=tier,
+        )
 
 
 def _external_hash(block_hash: BlockHash) -> Any:
-    """The hash as vLLM publishes it (bytes, or an int with
-    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``)."""
+    """The hash as vLLM publishes it (an int, the hash's last 8 bytes, under vLLM's
+    default ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``; else the bytes)."""
     return maybe_convert_block_hash(block_hash) if isinstance(block_hash, bytes) else block_hash
 
 

@@ -56,6 +56,11 @@ class Group:
     layers: tuple[str, ...]
     block_size: int = 0
     """Tokens per block of this group (0: the engine's)."""
+    spec_kind: str | None = None
+    """vLLM's kind of the group's ``KVCacheSpec`` (``"full_attention"``,
+    ``"sliding_window"``...), for KV events; ``None``: from ``kind``."""
+    spec_window: int | None = None
+    """The spec's sliding window in tokens, for KV events (``None``: none)."""
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -101,8 +106,33 @@ def groups_from_vllm(kv_cache_config: KVCacheConfig | None, block_size: int) -> 
         spec = group.kv_cache_spec
         kind, window, desc = _kind(spec, block_size)
         tag = b"" if len(specs) == 1 else f"|group{i}:{desc}".encode()
-        groups.append(Group(i, kind, window, tag, tuple(group.layer_names), spec.block_size))
+        spec_kind, spec_window = _event_spec(spec)
+        groups.append(
+            Group(
+                i,
+                kind,
+                window,
+                tag,
+                tuple(group.layer_names),
+                spec.block_size,
+                spec_kind,
+                spec_window,
+            )
+        )
     return groups
+
+
+def _event_spec(spec: Any) -> tuple[str | None, int | None]:
+    """vLLM's description of a ``KVCacheSpec`` in its KV events: its kind and sliding
+    window (``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``)."""
+    try:
+        from vllm.v1.kv_cache_interface import (
+            get_kv_cache_spec_kind,
+            get_kv_cache_spec_sliding_window,
+        )
+    except ImportError:  # a vLLM without them: events leave them out
+        return None, None
+    return str(get_kv_cache_spec_kind(spec).value), get_kv_cache_spec_sliding_window(spec)
 
 
 def describe(groups: list[Group]) -> str:

@@ -12,8 +12,9 @@ metadata defined here and the books.
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +25,8 @@ from kvoffload.keys import BlockKey, key_from_hash
 
 from .answers import Answers
 from .books import _RemoteBooks
-from .events import BlockHash, TieredOffloadKVEvents
+from .config import BOTH, CONSUMER, PRODUCER, ROLES
+from .events import EventBlocks, TieredOffloadKVEvents
 from .groups import FULL, MAMBA, SLIDING, Group
 from .shared import _REGISTRY, _REGISTRY_LOCK
 
@@ -34,6 +36,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+
+logger = logging.getLogger(__name__)
 
 MAX_STEPS_IN_FLIGHT = 4
 """Steps scheduled and not yet done that the prefill timing tracks (vLLM's asynchronous
@@ -50,8 +54,9 @@ class _Load:
     into the tail of its list."""
     resumed: bool = False
     """The request was preempted earlier: this load brings its work back."""
-    hashes: list[BlockHash] = field(default_factory=list)
-    """vLLM's hashes of the planned keys, for KV events (empty when they are off)."""
+    events: EventBlocks | None = None
+    """The loaded positions' blocks (hashes, parents, tokens) for KV events, ``None``
+    when they are off."""
     background: bool = False
     """vLLM's asynchronous load: the request waits (``WAITING_FOR_REMOTE_KVS``) while
     the worker loads it in the background, and the worker reports it done
@@ -65,8 +70,9 @@ class _Store:
     req_id: str
     keys: list[BlockKey]
     block_ids: list[int]
-    hashes: list[BlockHash] = field(default_factory=list)
-    """vLLM's hashes of ``keys``, for KV events (empty when they are off)."""
+    events: EventBlocks | None = None
+    """The blocks of ``keys`` (hashes, parents, tokens) for KV events, ``None`` when
+    they are off (the metadata stays the keys and block ids)."""
     group: int = 0
     """The KV cache group of the blocks (their keys are namespaced by it)."""
     fenced: bool = False
@@ -107,6 +113,9 @@ class _ReqState:
     claimed: bool = False
     """The worker may hold a claim (pins, or prefetches waited for) for this request
     that neither a plan nor a release has ended yet."""
+    first_lookup: float | None = None
+    """When this request was first looked up (``time.monotonic``): a consumer waits for
+    a producer's blocks from then, up to ``load_timeout_ms``."""
 
 
 class TieredOffloadScheduler:
@@ -127,8 +136,24 @@ class TieredOffloadScheduler:
         prefetch_on_arrival: bool = True,
         block_bytes: int = 0,
         async_min_bytes: float = float("inf"),
+        role: str = BOTH,
+        producer_wait_s: float = 10.0,
     ) -> None:
         self.engine_id = engine_id
+        if role not in ROLES:
+            raise ValueError(f"kvoffload: kv_role {role!r}: expected one of {sorted(ROLES)}")
+        self.role = role
+        """vLLM's ``kv_role``: a producer (a prefill engine) stores and loads nothing; a
+        consumer (a decode engine) loads, waits for what a producer is still storing,
+        and stores nothing; ``kv_both`` does both and never waits."""
+        self.loads = role != PRODUCER
+        self.stores = role != CONSUMER
+        self.producer_wait_s = producer_wait_s
+        """A consumer's longest wait for a prompt's whole loadable prefix to reach the
+        tiers, from its first lookup (``load_timeout_ms``)."""
+        self.waited_out = 0
+        """Consumer lookups that stopped waiting for a producer (``producer_wait_s``)
+        and took a shorter hit."""
         self.ranks = ranks
         self.inert = inert
         self.books_timeout_s = books_timeout_s
@@ -186,12 +211,19 @@ class TieredOffloadScheduler:
             for h in request.block_hashes[:n]
         ]
 
+    def _event_blocks(self, request: Request, positions: Sequence[int]) -> EventBlocks | None:
+        """What KV events need of ``request``'s blocks at ``positions``, sent along
+        with their store or load; ``None`` when events are off."""
+        if not self._events_enabled:
+            return None
+        return EventBlocks.of(request, positions, self.block_size)
+
     def on_new_request(self, request: Request) -> None:
         """vLLM queued ``request``: start prefetching its prefix from the lower tiers
         now, so that by the time the scheduler reaches it (a backlog) its blocks are in
         the cpu tier. Its lookup later waits for the same prefetches or finds them
         landed; a request that ends first releases them (``request_finished``)."""
-        if self.inert or not self.prefetch_on_arrival:
+        if self.inert or not self.prefetch_on_arrival or not self.loads:
             return
         loadable = min(
             (request.num_prompt_tokens - 1) // self.block_size, len(request.block_hashes)
@@ -206,8 +238,9 @@ class TieredOffloadScheduler:
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         # Never the last prompt token: vLLM must compute at least one.
-        if self.inert or request.request_id in self._failed_loads:
-            # A request whose asynchronous load failed is computed, not loaded again.
+        if self.inert or request.request_id in self._failed_loads or not self.loads:
+            # A request whose asynchronous load failed is computed, not loaded again; a
+            # producer loads nothing.
             return 0, False
         loadable = (request.num_prompt_tokens - 1) // self.block_size
         loadable = min(loadable, len(request.block_hashes))
@@ -216,12 +249,30 @@ class TieredOffloadScheduler:
         state.local_tokens = num_computed_tokens
         if loadable <= start:
             return 0, False
+        if state.first_lookup is None:
+            state.first_lookup = time.monotonic()
         # The worker claims the verified prefix (pinned for this request), after
         # prefetching what only a disk tier holds; ``None`` until that is done.
         hit = self._books().lookup(request.request_id, self._keys(request, loadable))
         state.claimed = True
         if hit is None:
             return None, False
+        if self.role == CONSUMER and hit < loadable:
+            # A producer may still be storing the rest: ask again next step (the next
+            # lookup replaces this one's claim), until it is all there or the wait is
+            # over; then take what is there and compute the rest.
+            if time.monotonic() - state.first_lookup < self.producer_wait_s:
+                return None, False
+            self.waited_out += 1
+            if self.waited_out == 1:
+                logger.info(
+                    "kvoffload: kv_consumer: request %s found %d of its %d blocks after "
+                    "waiting %.0f ms (load_timeout_ms) for a producer; computing the rest",
+                    request.request_id,
+                    hit,
+                    loadable,
+                    self.producer_wait_s * 1e3,
+                )
         if hit <= start:
             return 0, False
         background = self._whole_loads or (hit - start) * self.block_bytes >= self.async_min_bytes
@@ -247,9 +298,15 @@ class TieredOffloadScheduler:
         self._books().plan(plan_id, request.request_id, start, n)
         state.claimed = False
         resumed = request.request_id in self._preempted
-        hashes = list(request.block_hashes[start : start + n]) if self._events_enabled else []
         self._pending_loads.append(
-            _Load(request.request_id, plan_id, targets, resumed, hashes, state.background)
+            _Load(
+                request.request_id,
+                plan_id,
+                targets,
+                resumed,
+                self._event_blocks(request, range(start, start + n)),
+                state.background,
+            )
         )
         # A background load's blocks are held by vLLM itself until the worker reports
         # the load received (finished_recving), even if the request ends meanwhile:
@@ -290,7 +347,7 @@ class TieredOffloadScheduler:
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         for req_id, n_tokens in scheduler_output.num_scheduled_tokens.items():
             state = self._reqs.get(req_id)
-            if state is None or self.inert:
+            if state is None or self.inert or not self.stores:
                 continue
             if block_state is not None and len(self.groups) > 1:
                 # (A dense model's table only grows: the appended ids are exact, and
@@ -305,10 +362,10 @@ class TieredOffloadScheduler:
             if full > state.stored_blocks:
                 first = state.stored_blocks
                 keys = self._keys(req, full)[first:]
-                hashes = list(req.block_hashes[first:full]) if self._events_enabled else []
+                blocks = self._event_blocks(req, range(first, full))
                 for g in self._full:
                     ids = state.block_ids[g][first:full]
-                    meta.stores.append(_Store(req_id, keys, ids, hashes, group=g))
+                    meta.stores.append(_Store(req_id, keys, ids, blocks, group=g))
                 state.stored_blocks = full
                 state.had_store = True
             if self._sliding:
@@ -317,7 +374,7 @@ class TieredOffloadScheduler:
                 boundary = self._replay_boundary(req)
                 if done_tokens >= boundary * self.block_size:
                     meta.stores.extend(self._window_stores(state, boundary))
-        if block_state is not None:
+        if block_state is not None and self.stores:
             for req_id, handoffs in block_state.boundary_state_offloads.items():
                 meta.stores.extend(self._state_stores(req_id, handoffs))
         return meta
@@ -367,13 +424,12 @@ class TieredOffloadScheduler:
             if not todo:
                 continue
             keys = self._keys(req, boundary)
-            hashes = req.block_hashes
             stores.append(
                 _Store(
                     req.request_id,
                     [keys[p] for p in todo],
                     [ids[p - first] for p in todo],
-                    [hashes[p] for p in todo] if self._events_enabled else [],
+                    self._event_blocks(req, todo),
                     group=group.index,
                     fenced=True,
                 )
@@ -397,8 +453,8 @@ class TieredOffloadScheduler:
             if pos < 0 or pos >= len(req.block_hashes) or (group, pos) in state.stored_windows:
                 continue
             key = self._keys(req, pos + 1)[pos]
-            hashes = [req.block_hashes[pos]] if self._events_enabled else []
-            stores.append(_Store(req_id, [key], [block_id], hashes, group=group, fenced=True))
+            blocks = self._event_blocks(req, [pos])
+            stores.append(_Store(req_id, [key], [block_id], blocks, group=group, fenced=True))
             state.stored_windows.add((group, pos))
             state.had_store = True
         return stores
@@ -414,7 +470,7 @@ class TieredOffloadScheduler:
         self._failed_loads.discard(request.request_id)
         if state is not None and state.claimed:  # ended before its load: aborted
             self._books().release(request.request_id)
-        if state is not None and self._sliding and isinstance(block_ids, tuple):
+        if state is not None and self._sliding and self.stores and isinstance(block_ids, tuple):
             state.block_ids = [list(ids) for ids in block_ids]
             boundary = min(
                 request.num_computed_tokens // self.block_size,

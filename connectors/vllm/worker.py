@@ -172,7 +172,9 @@ class TieredOffloadWorker:
                 return
             offloader = Offloader(self.config, layout, pool, events=self._events_enabled)
         held = sum(t.capacity_blocks for t in offloader.stats)
-        book = _EventBook(enabled=self._events_enabled, cap=min(held, MAX_EVENT_HASHES))
+        book = _EventBook(
+            enabled=self._events_enabled, cap=min(held, MAX_EVENT_HASHES), groups=self.groups
+        )
         costs = None
         if self.load_or_recompute:
             costs = Costs(block_tokens=self.block_size, block_bytes=pool.bytes_per_block)
@@ -309,8 +311,9 @@ class TieredOffloadWorker:
         plan, offset = group_plan.plan, group_plan.first
         ids = load.block_ids[group_plan.group][offset:]
         targets = ids[: plan.hits]
-        if load.hashes:  # promotions into the first tier are stores too
-            shared.events.remember(plan.keys, load.hashes[offset : offset + plan.hits])
+        if load.events is not None:  # promotions into the first tier are stores too
+            blocks = load.events.part(offset, offset + plan.hits)
+            shared.events.remember(plan.keys, blocks, group_plan.group)
         layers = LayerProgress(self._num_layers) if self.layerwise and layerwise else None
         gate = LoadGate()
         job = shared.offloader.submit_load(plan, targets, layers=layers, gate=gate)
@@ -465,8 +468,8 @@ class TieredOffloadWorker:
             shared.bump("blocks_submitted_for_store", len(store.keys))
             self._ever_stored.add(store.req_id)
             keys = shared.ns(store.keys, store.group)
-            if store.hashes:
-                shared.events.remember(keys, store.hashes)
+            if store.events is not None:
+                shared.events.remember(keys, store.events, store.group)
             job_keys, job_ids, fenced = jobs.get(store.req_id, ([], [], False))
             jobs[store.req_id] = (
                 job_keys + keys,

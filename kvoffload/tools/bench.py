@@ -25,10 +25,14 @@ buffered tier's load figure is the page cache's, and the report says so. Runs in
 own process, not beside an engine.
 
 A ``redis`` tier (:mod:`kvoffload.tools.bench_redis`) is measured against its own
-server instead of a disk: the tier's store and load beside a raw pipelined ``SET`` /
-``GET`` loop of plain redis-py with values of the same size, in the same run; rows
-under ``redis`` with ``redis_raw_set_gbps``, ``redis_raw_get_gbps``, ``store_vs_raw``
-and ``load_vs_raw``. Without a redis tier ``redis`` is an empty list.
+server instead of a disk: the tier's store and load beside pipelined ``SET`` / ``GET``
+loops with values of the same size, in the same run and interleaved: plain redis-py at
+its defaults, the same loop with the tier's client settings (the baseline of the
+tier's overhead), and ``redis-benchmark``; rows under ``redis`` with
+``redis_raw_*_gbps``, ``redis_tuned_*_gbps``, ``redis_benchmark_*_gbps`` and the
+ratios ``store_vs_raw`` / ``load_vs_raw``, ``store_vs_tuned`` / ``load_vs_tuned``,
+``store_vs_redis_benchmark`` / ``load_vs_redis_benchmark``. Without a redis tier
+``redis`` is an empty list.
 
 Two parts need no tier of the config and run first, whatever it holds (and alone with
 ``disk=False``), because they are seconds where the disk part is minutes:
@@ -300,6 +304,6 @@ def _redis_rows(
     for tier in tiers:
         for size in sizes:
             if progress is not None:
-                progress(f"{tier.name} (redis) at {size // 1024} KiB vs raw SET/GET")
+                progress(f"{tier.name} (redis) at {size // 1024} KiB vs SET/GET loops")
             rows.append(bench_redis(tier, size, total_bytes, reps=reps))
     return rows

@@ -9,7 +9,9 @@
 - ``kvoffload bench``: disk-tier throughput against raw O_DIRECT and vLLM's fs tier,
   the redis tier against raw redis-py ``SET``/``GET``, manager cost against vLLM's,
   gather/scatter against a plain copy;
-- ``kvoffload snapshot export|import``: move a tier's blocks through a safetensors file.
+- ``kvoffload snapshot export|import``: move a tier's blocks through a safetensors file;
+- ``kvoffload lookup``: how much of each prompt's prefix the shared (redis) tier holds,
+  for a batch of token-id prompts, in one round trip per node (:mod:`kvoffload.lookup`).
 
 Expected failures (bad arguments, bad config, broken plugin) print one line on stderr
 and exit 2, never a traceback. Every flag is checked before any tier is opened or any
@@ -29,6 +31,8 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from kvoffload.config import LAYOUT_PRESETS, config_schema, load_config
 from kvoffload.exceptions import KVOffloadError
+from kvoffload.layout import DTYPE_NAMES
+from kvoffload.lookup import FP8_CACHES, HASH_ALGOS, Prompt
 from kvoffload.metrics import TIER_METRICS
 
 if TYPE_CHECKING:
@@ -161,6 +165,55 @@ def _parser() -> argparse.ArgumentParser:
     imp.add_argument("--config", type=_path, default=None)
     imp.add_argument("src", type=_path)
     imp.add_argument("--tier", default=None, help="tier name (default: first persistent tier)")
+
+    lk = sub.add_parser(
+        "lookup", help="how much of each prompt's prefix the shared (redis) tier holds"
+    )
+    lk.add_argument("--config", type=_path, default=None, help="the connector's YAML config")
+    lk.add_argument(
+        "--prompts",
+        type=_path,
+        default=None,
+        help="(required) JSON lines, one prompt each: a list of token ids, or an object with "
+        "token_ids (and cache_salt, lora_name, lora_path); '-' reads stdin",
+    )
+    lk.add_argument(
+        "--block-size", type=int, default=None, help="(required) the engines' block_size"
+    )
+    lk.add_argument(
+        "--hash-algo",
+        choices=HASH_ALGOS,
+        default="sha256",
+        help="the engines' prefix_caching_hash_algo (default sha256)",
+    )
+    lk.add_argument(
+        "--hash-seed",
+        default=None,
+        help="the engines' PYTHONHASHSEED (default: $PYTHONHASHSEED here; unset: vLLM's "
+        "fixed seed of the sha256 algorithms)",
+    )
+    lk.add_argument(
+        "--fingerprint",
+        default=None,
+        help="the layout fingerprints (hex, comma-separated, one per TP rank) instead of "
+        "the model's fields below",
+    )
+    lk.add_argument("--model-id", default=None, help="the connector's model_id (or the model)")
+    lk.add_argument("--num-layers", type=int, default=None, help="the model's layers")
+    lk.add_argument("--num-kv-heads", type=int, default=None, help="KV heads, all ranks")
+    lk.add_argument("--head-dim", type=int, default=None, help="vLLM's head size")
+    lk.add_argument("--dtype", choices=DTYPE_NAMES, default="bfloat16", help="the model's dtype")
+    lk.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="the engines' TP size (default 1)"
+    )
+    lk.add_argument(
+        "--cache-dtype",
+        choices=["auto", *FP8_CACHES],
+        default="auto",
+        help="the engines' cache_dtype (default auto)",
+    )
+    lk.add_argument("--mla", action="store_true", help="the model's cache is MLA's")
+    lk.add_argument("--json", type=_path, default=None, help="write the report as JSON here")
     return p
 
 
@@ -184,6 +237,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _bench(args)
         if args.command in ("inspect", "verify", "snapshot"):
             return _maintenance(args)
+        if args.command == "lookup":
+            return _lookup(args)
     except KVOffloadError as exc:
         print(f"kvoffload: error: {_one_line(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
@@ -507,16 +562,22 @@ def _bench(args: argparse.Namespace) -> int:
         )
     if report["redis"]:
         print(
-            f"{'tier':<10} {'block':>7} {'store':>6} {'raw set':>7} {'x raw':>6} "
-            f"{'load':>6} {'raw get':>7} {'x raw':>6}   (GB/s; raw: redis-py pipelined "
-            f"SET/GET, {report['redis'][0]['batch_blocks']} values per pipeline)"
+            f"{'tier':<10} {'block':>7} {'op':>5} {'tier':>6} {'raw':>6} {'x raw':>6} "
+            f"{'tuned':>6} {'x tuned':>7} {'r-bench':>7} {'x r-b':>6}   (GB/s; raw: "
+            "redis-py defaults, tuned: the tier's client settings, r-bench: "
+            f"redis-benchmark; {report['redis'][0]['batch_blocks']} values per pipeline)"
         )
     for r in report["redis"]:
-        print(
-            f"{r['tier']:<10} {r['block_bytes'] // 1024:>5}Ki {r['store_gbps']:>6.2f} "
-            f"{r['redis_raw_set_gbps']:>7.2f} {r['store_vs_raw']:>6.2f} {r['load_gbps']:>6.2f} "
-            f"{r['redis_raw_get_gbps']:>7.2f} {r['load_vs_raw']:>6.2f}"
-        )
+        for side, op in (("store", "set"), ("load", "get")):
+            print(
+                f"{r['tier']:<10} {r['block_bytes'] // 1024:>5}Ki {side:>5} "
+                f"{r[f'{side}_gbps']:>6.2f} {r[f'redis_raw_{op}_gbps']:>6.2f} "
+                f"{r[f'{side}_vs_raw']:>6.2f} {r[f'redis_tuned_{op}_gbps']:>6.2f} "
+                f"{r[f'{side}_vs_tuned']:>7.2f} {_f(r[f'redis_benchmark_{op}_gbps']):>7} "
+                f"{_f(r[f'{side}_vs_redis_benchmark'])}"
+            )
+        if r["redis_benchmark_set_gbps"] is None:
+            print(f"{r['tier']:<10} redis-benchmark {r['redis_benchmark']}")
     if not all(r["page_cache_dropped"] for r in report["tiers"]):
         print("note: could not drop the page cache (not root); buffered loads are cache reads")
     _dump(args.json, report)
@@ -533,6 +594,173 @@ def _when(ts: object) -> str:
     if not isinstance(ts, float):
         return "-"
     return datetime.datetime.fromtimestamp(ts, tz=datetime.UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+LOOKUP_MODEL_FLAGS = ("--model-id", "--num-layers", "--num-kv-heads", "--head-dim")
+"""The model's fields ``lookup`` needs unless ``--fingerprint`` is given."""
+
+
+def _lookup(args: argparse.Namespace) -> int:
+    """``kvoffload lookup``: one JSON line per prompt (its full blocks, and the blocks
+    and tokens each shared tier holds of its prefix); ``--json``: that and the round
+    trips."""
+    from kvoffload.lookup import PrefixLookup, VllmEngineLayout, VllmHashing
+
+    # Each value given is checked first, then what is missing or clashes, then the
+    # prompts and the config are read: a bad value is named whatever else is wrong.
+    _check_output("--json", args.json)
+    for flag in ("--block-size", *LOOKUP_MODEL_FLAGS[1:], "--tensor-parallel-size"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None and value <= 0:
+            raise _usage(f"{flag} {value}: it must be greater than zero")
+    if args.model_id is not None and (not args.model_id or not args.model_id.isprintable()):
+        raise _usage(f"--model-id {args.model_id!r}: give the connector's model_id")
+    fps = None if args.fingerprint is None else _fingerprints(args.fingerprint)
+    prompts = None if args.prompts is None else _read_prompts(args.prompts)
+    config = load_config(args.config)
+    if prompts is None or args.block_size is None:
+        raise _usage(
+            f"{'--prompts' if args.prompts is None else '--block-size'}: missing; "
+            "give the prompts (a JSON-lines file) and the engines' block_size"
+        )
+    fields = {f: getattr(args, f[2:].replace("-", "_")) for f in LOOKUP_MODEL_FLAGS}
+    given = [f for f, v in fields.items() if v is not None]
+    fingerprints: list[bytes] | VllmEngineLayout
+    if fps is not None:
+        if given:
+            raise _usage(
+                f"--fingerprint and {given[0]}: give the fingerprints or the model's "
+                "fields, not both"
+            )
+        fingerprints = fps
+    else:
+        missing = [f for f, v in fields.items() if v is None]
+        if missing:
+            raise _usage(
+                f"{missing[0]}: missing; give the model's {', '.join(LOOKUP_MODEL_FLAGS)} "
+                "(or --fingerprint)"
+            )
+        fingerprints = VllmEngineLayout(
+            model_id=str(args.model_id),
+            num_layers=args.num_layers,
+            num_kv_heads=args.num_kv_heads,
+            head_dim=args.head_dim,
+            block_size=args.block_size,
+            dtype=args.dtype,
+            tensor_parallel_size=args.tensor_parallel_size,
+            cache_dtype=args.cache_dtype,
+            mla=args.mla,
+        )
+    seed = args.hash_seed if args.hash_seed is not None else os.environ.get("PYTHONHASHSEED")
+    hashing = VllmHashing(args.block_size, args.hash_algo, seed)
+    with PrefixLookup(config, hashing, fingerprints) as lookup:
+        full = [len(lookup.hashing.block_hashes(p)) for p in prompts]
+        answers = lookup.lookup(prompts)
+    for i, n in enumerate(full):
+        held = {a.tier: a.blocks[i] for a in answers}
+        line = {
+            "prompt": i,
+            "full_blocks": n,
+            "blocks": held,
+            "tokens": {t: b * args.block_size for t, b in held.items()},
+        }
+        print(json.dumps(line))
+    for a in answers:
+        logger.info(
+            "lookup: tier %s: %d prompts, %d names asked, %d round trips (new "
+            "connections' handshakes included)",
+            a.tier,
+            len(prompts),
+            a.names,
+            a.round_trips,
+        )
+    _dump(
+        args.json,
+        {
+            "block_size": args.block_size,
+            "full_blocks": full,
+            "tiers": {
+                a.tier: {"blocks": a.blocks, "round_trips": a.round_trips, "names": a.names}
+                for a in answers
+            },
+        },
+    )
+    return EXIT_OK
+
+
+def _fingerprints(text: str) -> list[bytes]:
+    out = []
+    for part in text.split(","):
+        try:
+            fp = bytes.fromhex(part.strip())
+        except ValueError:
+            fp = b""
+        if len(fp) != 16:
+            raise _usage(
+                f"--fingerprint {text!r}: expected 32 hex digits per rank, comma-separated "
+                "(a layout's fingerprint: the hex after the key prefix in the tier's names on the "
+                "server, {key_prefix}:{fingerprint}:{key})"
+            )
+        out.append(fp)
+    return out
+
+
+def _read_prompts(path: Path) -> list[Prompt]:
+    """``--prompts``: JSON lines, each a list of token ids or an object of
+    :class:`~kvoffload.lookup.Prompt`'s fields (``lora_name`` and ``lora_path``)."""
+    where = "<stdin>" if str(path) == "-" else str(path)
+    try:
+        text = sys.stdin.read() if str(path) == "-" else path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise _usage(f"--prompts {where}: cannot be read: {why}") from None
+    fix = (
+        "each line is a JSON list of token ids, or an object with token_ids and "
+        "optional cache_salt, lora_name and lora_path"
+    )
+    prompts: list[Prompt] = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            raw = json.loads(line)
+        except ValueError as exc:
+            raise _usage(f"--prompts {where}:{n}: not JSON ({exc}); {fix}") from None
+        if isinstance(raw, list):
+            raw = {"token_ids": raw}
+        if not isinstance(raw, dict) or not set(raw) <= {
+            "token_ids",
+            "cache_salt",
+            "lora_name",
+            "lora_path",
+        }:
+            raise _usage(f"--prompts {where}:{n}: unexpected {_short(raw)}; {fix}")
+        tokens = raw.get("token_ids")
+        if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens
+        ):
+            raise _usage(
+                f"--prompts {where}:{n}: token_ids = {_short(tokens)}: expected a list of "
+                "non-negative integers"
+            )
+        extra = {k: raw.get(k) for k in ("cache_salt", "lora_name", "lora_path")}
+        for key, value in extra.items():
+            if value is not None and not isinstance(value, str):
+                raise _usage(f"--prompts {where}:{n}: {key} = {_short(value)}: expected a string")
+        if (extra["lora_name"] is None) != (extra["lora_path"] is None):
+            raise _usage(f"--prompts {where}:{n}: give both lora_name and lora_path, or neither")
+        lora = None
+        if extra["lora_name"] is not None and extra["lora_path"] is not None:
+            lora = (extra["lora_name"], extra["lora_path"])
+        prompts.append(Prompt(tokens, extra["cache_salt"], lora))
+    if not prompts:
+        raise _usage(f"--prompts {where}: no prompt in it; {fix}")
+    return prompts
+
+
+def _short(value: object, limit: int = 60) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _dump(path: Path | None, data: object) -> None:

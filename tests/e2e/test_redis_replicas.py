@@ -75,6 +75,30 @@ def _counters(result: dict[str, Any]) -> str:
     return json.dumps({k: c.get(k) for k in keys})
 
 
+def test_a_router_finds_what_engine_a_stored(
+    engine_a: tuple[Path, RedisServer, Any],
+) -> None:
+    """A router that never ran an engine asks the server (``kvoffload.lookup``) how much
+    of each prompt of the batch it holds: it rebuilds vLLM's block hashes and the
+    connector's names from the token ids, the model's shape and ``model_id``, and finds
+    every full block engine A stored (four prompts of 13 blocks, one of 9), in one
+    pipeline of ``EXISTS``, one per distinct block."""
+    import os
+
+    from kvoffload.config import load_config
+    from kvoffload.lookup import VllmEngineLayout, VllmHashing, lookup_prefixes
+
+    _, server, _ = engine_a
+    config = load_config(_redis_tiers(server)["config"])
+    layout = VllmEngineLayout(
+        model_id=MODEL_ID, num_layers=2, num_kv_heads=2, head_dim=32, block_size=32
+    )
+    hashing = VllmHashing(block_size=32, seed=os.environ.get("PYTHONHASHSEED"))
+    (answer,) = lookup_prefixes(config, BATCH, hashing, layout)
+    assert answer.blocks == [13, 13, 13, 13, 9], answer
+    assert answer.names == BATCH_BLOCKS, answer
+
+
 def test_what_engine_a_stored_is_a_hit_in_engine_b(
     engines: EngineServer, engine_a: tuple[Path, RedisServer, Any], reference: list[list[int]]
 ) -> None:

@@ -31,6 +31,12 @@ optional:
 - ``env``: environment variables for the engine (``VLLM_ENABLE_V1_MULTIPROCESSING``:
   ``"0"`` runs it in this process, so its connector counters can be read here); vLLM's
   cache of its environment is cleared first, so each engine reads its own;
+- ``kv_events``: vLLM's ``kv_events_config`` (its fields), e.g. a ZMQ publisher;
+- ``tiers_held``: after the rounds (single-process mode), wait for the tiers' queued
+  jobs, run one request of a few tokens (a step, which publishes the KV events of
+  the jobs finished since the last one; it stores nothing), and report
+  ``result["tiers_held"]``: the rank's key ``namespace`` (hex) and, per tier whose
+  books list their blocks, the keys it ``held`` (hex);
 - ``hold``: after the rounds, print ``E2E-HOLD <index>`` and wait to be killed;
 - ``before_round`` / ``after_round``: ``{"<round>": [argv, ...]}``, commands run (and
   waited for) right before or after that round: a test freezes a tier's server for
@@ -342,6 +348,10 @@ def run_engine(spec: dict[str, Any], index: int) -> dict[str, Any]:
         "max_model_len": 2048,
         **spec.get("engine", {}),
     }
+    if spec.get("kv_events") is not None:
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(**spec["kv_events"])
     if spec.get("kvoffload") is not None:
         transfer: dict[str, Any] = {
             "kv_connector": "TieredOffloadConnector",
@@ -380,6 +390,8 @@ def run_engine(spec: dict[str, Any], index: int) -> dict[str, Any]:
             result["failed"] += sum(o["failed"] for o in done)
             _emit("E2E-ROUND", index, r, json.dumps(done))
             result["resets"].append(_reset_prefix_cache(llm))
+        if spec.get("tiers_held"):
+            result["tiers_held"] = _tiers_held(llm, engine_id)
         if spec.get("hold"):
             # Wait to be killed: a test that kills an engine at a random moment never
             # finds it gone, however fast it ran its rounds.
@@ -407,6 +419,25 @@ def run_engine(spec: dict[str, Any], index: int) -> dict[str, Any]:
         result["kvoffload"] = _final_counters(worker_side)
     result["seconds"] = time.monotonic() - t0
     return result
+
+
+def _tiers_held(llm: Any, engine_id: str | None) -> dict[str, Any]:
+    """What each tier holds once idle, after a step that publishes the KV events of
+    everything done before it (``tiers_held`` in the module docstring)."""
+    from vllm import SamplingParams
+
+    shared = _worker_side(engine_id)
+    assert shared is not None, "tiers_held needs single-process mode"
+    assert shared.offloader.drain(), "the tiers' jobs did not finish"
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=1), use_tqdm=False)
+    return {
+        "namespace": shared.namespace.hex(),
+        "held": {
+            tier.name: [key.hex() for key in tier.manager.held_keys()]
+            for tier in shared.offloader.tiers
+            if not tier.backend.server_booked  # a shared server's books are its own
+        },
+    }
 
 
 def _prometheus(llm: Any) -> dict[str, float]:
