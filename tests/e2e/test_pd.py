@@ -174,7 +174,9 @@ def test_prefill_decode_through_redis(
     # The producer loads nothing and writes every full block through to the server.
     assert pc["blocks_loaded"] == 0, detail
     assert pc["lookups"] == 0, detail
-    assert pc["tier.cpu.blocks_stored"] == BATCH_BLOCKS, detail
+    # (Read while its last stores may still run: the decode side's redis hits below
+    # prove every block reached the server.)
+    assert 0 < pc["tier.cpu.blocks_stored"] <= BATCH_BLOCKS, detail
     # The consumer stores nothing, loads without an error.
     assert dc["tokens_stored"] == 0, detail
     assert dc["load_errors"] == 0, detail
