@@ -49,18 +49,22 @@ import numpy as np
 import torch
 
 from kvoffload.backend import Backend, RecoveredBlock
+from kvoffload.codec import Packer, codec_named
 from kvoffload.config import LmdbTierConfig, TierConfig
 from kvoffload.dirlock import lock_tier_dir
 from kvoffload.exceptions import BackendError, BlockStateError, ConfigError, LayoutMismatchError
+from kvoffload.hostcopy import Buffers
 from kvoffload.keys import MAX_KEY_BYTES, BlockKey
 from kvoffload.layout import KVLayout
 from kvoffload.record import (
     HEADER_BYTES,
-    build_headers,
+    HEADER_DTYPE,
+    check_headers,
     header_key,
-    header_matches,
     key_bytes,
-    payload_checksum,
+    pack_values,
+    restore,
+    stored_lengths,
     unpack_header,
 )
 from kvoffload.sizes import format_size
@@ -166,7 +170,14 @@ class LmdbBackend(Backend):
         self._closed = False
         self._warned = False
         self._seq = itertools.count(1)  # advanced under ``_stats_lock``
-        self._spare: list[np.ndarray[Any, Any]] = []  # pack buffers, see _take_buffers
+        self.packer = Packer(codec_named(config.compression), layout.itemsize)
+        value_bytes = HEADER_BYTES + layout.bytes_per_block
+        self._buffers = Buffers(
+            value_bytes, keep_bytes=PACK_BUFFERS * max(PACK_CHUNK_BYTES, value_bytes)
+        )
+        """Pack buffers, reused across batches so they fault in once."""
+        self._stored = np.zeros(self.num_slots, dtype=np.int64)
+        """Payload bytes as stored, per slot whose record this process knows of."""
         # One writer process per directory: LMDB serialises writers itself, but two
         # processes each keeping their own slot -> key map would overwrite each
         # other's blocks. Readers (readonly) take no lock.
@@ -419,11 +430,14 @@ class LmdbBackend(Backend):
         n = len(keys)
         value_bytes = HEADER_BYTES + self.layout.bytes_per_block
         per_chunk = max(1, PACK_CHUNK_BYTES // value_bytes)
-        bufs = self._take_buffers(min(PACK_BUFFERS, -(-n // per_chunk)), per_chunk, value_bytes)
+        count = min(PACK_BUFFERS, -(-n // per_chunk))
+        held = [self._buffers.acquire(per_chunk) for _ in range(count)]
+        bufs = [b.numpy() for b in held]
         free: queue.SimpleQueue[np.ndarray[Any, Any]] = queue.SimpleQueue()
         for buf in bufs:
             free.put(buf)
-        feed: queue.SimpleQueue[tuple[int, int, np.ndarray[Any, Any]] | None] = queue.SimpleQueue()
+        feed: queue.SimpleQueue[_Chunk | None] = queue.SimpleQueue()
+        stored = [0] * n
         fut = handles.writer.submit(
             lambda: self._put_batch(handles, _fed(feed, free, slots, keys), n, value_bytes)
         )
@@ -434,58 +448,35 @@ class LmdbBackend(Backend):
                 chunk = _next_free(free, fut)
                 if chunk is None:
                     break  # the writer failed; its error is raised below
-                self._pack_into(chunk[: hi - lo], keys[lo:hi], rows[lo:hi], now)
-                feed.put((lo, hi, chunk))
+                with self._stats_lock:
+                    first = next(self._seq)
+                    self._seq = itertools.count(first + hi - lo)
+                lens = pack_values(
+                    keys[lo:hi],
+                    rows[lo:hi],
+                    chunk[: hi - lo],
+                    packer=self.packer,
+                    layout_fp=self.layout.fingerprint,
+                    first_seq=first,
+                    now=now,
+                )
+                stored[lo:hi] = [v - HEADER_BYTES for v in lens]
+                feed.put((lo, hi, chunk, lens))
         except BaseException:
-            feed.put((-1, -1, bufs[0]))  # abort the transaction
+            feed.put((-1, -1, bufs[0], []))  # abort the transaction
             with contextlib.suppress(BaseException):
                 fut.result()
-            self._give_buffers(bufs)
+            for b in held:
+                self._buffers.release(b)
             raise
         feed.put(None)
         try:
             fut.result()
         finally:
-            self._give_buffers(bufs)
-
-    def _pack_into(
-        self, out: np.ndarray[Any, Any], keys: list[bytes], rows: np.ndarray[Any, Any], now: float
-    ) -> None:
-        """Header plus payload of each row into the rows of ``out``."""
-        n = len(keys)
-        payloads = out[:, HEADER_BYTES:]
-        np.copyto(payloads, rows)
-        # Checksum the copy, not ``rows``: what is stored is then exactly what was
-        # summed, even if the caller reuses its buffer while we run.
-        sums = [payload_checksum(p) for p in payloads]
-        with self._stats_lock:
-            first = next(self._seq)
-            self._seq = itertools.count(first + n)
-        headers = build_headers(
-            keys,
-            length=self.layout.bytes_per_block,
-            first_seq=first,
-            wtime=now,
-            atime=now,
-            layout_fp=self.layout.fingerprint,
-            checksums=sums,
-        )
-        out[:, :HEADER_BYTES] = headers.view(np.uint8).reshape(n, HEADER_BYTES)
-
-    def _take_buffers(self, count: int, rows: int, value_bytes: int) -> list[np.ndarray[Any, Any]]:
-        """``count`` pack buffers of ``rows`` values, reused when the shape matches.
-        ``np.empty`` pages a small batch never touches are never faulted in."""
-        with self._stats_lock:
-            spare = [b for b in self._spare if b.shape == (rows, value_bytes)]
-            self._spare = [b for b in self._spare if b.shape == (rows, value_bytes)]
-            take, self._spare = spare[:count], spare[count:]
-        while len(take) < count:
-            take.append(np.empty((rows, value_bytes), dtype=np.uint8))
-        return take
-
-    def _give_buffers(self, bufs: list[np.ndarray[Any, Any]]) -> None:
-        with self._stats_lock:
-            self._spare = (self._spare + bufs)[:PACK_BUFFERS]
+            for b in held:
+                self._buffers.release(b)
+        with self._maps_lock:
+            self._stored[slots] = stored
 
     def _put_batch(
         self,
@@ -569,13 +560,16 @@ class LmdbBackend(Backend):
                         continue
                     rec, problem = self._header_of(key, value)
                     if rec is not None:
-                        want = int(rec["checksum"])
-                        np.copyto(rows[i], np.frombuffer(value, np.uint8, offset=HEADER_BYTES))
-                        # Verify the copy, not the map: what the caller gets is then
+                        codec = int(rec["codec"])
+                        payload = value[HEADER_BYTES:]
+                        # Verify a copy, not the map: what the caller gets is then
                         # exactly what was summed, even if a page under a reader that
-                        # lost its lock-table slot was reused meanwhile (see fork).
-                        if payload_checksum(rows[i]) != want:
-                            problem = "payload checksum mismatch"
+                        # lost its lock-table slot was reused meanwhile (see fork). A
+                        # raw payload is copied into its row; a compressed one into a
+                        # private buffer, checked, then decompressed into the row.
+                        stored = payload if codec == 0 else bytes(payload)
+                        if not restore(stored, codec, int(rec["checksum"]), rows[i], self.packer):
+                            problem = "payload checksum mismatch or undecodable"
                     if problem:
                         self._corrupt(key, problem)
                     valid.append(not problem)
@@ -597,13 +591,21 @@ class LmdbBackend(Backend):
         """The header of ``value`` if it says the record holds ``key`` under this
         layout, else ``None`` and why not. The payload is checked after the copy."""
         length = self.layout.bytes_per_block
-        if len(value) != HEADER_BYTES + length:
-            return None, f"record of {len(value)} bytes, expected {HEADER_BYTES + length}"
+        if not HEADER_BYTES < len(value) <= HEADER_BYTES + length:
+            return None, f"record of {len(value)} bytes, expected up to {HEADER_BYTES + length}"
         rec = unpack_header(value)
         if rec is None:
             return None, "damaged header"
-        if not header_matches(rec, key, self.layout.fingerprint, length):
-            return None, "header of another key or layout"
+        recs = np.frombuffer(value, dtype=HEADER_DTYPE, count=1)
+        ok = check_headers(
+            recs,
+            [key],
+            layout_fp=self.layout.fingerprint,
+            length=length,
+            stored=[len(value) - HEADER_BYTES],
+        )
+        if not ok[0]:
+            return None, "header of another key, layout or length"
         return rec, ""
 
     def _missing(self, key: bytes) -> None:
@@ -645,7 +647,7 @@ class LmdbBackend(Backend):
         if blocks is None:
             return []
         fp, length = self.layout.fingerprint, self.layout.bytes_per_block
-        found: list[tuple[float, int, bytes]] = []  # (atime, seq, key)
+        found: list[tuple[float, int, bytes, int]] = []  # (atime, seq, key, stored)
         damaged: list[bytes] = []
         foreign: list[bytes] = []
         max_seq = 0
@@ -654,18 +656,19 @@ class LmdbBackend(Backend):
                 for raw_key, value in txn.cursor():
                     key = bytes(raw_key)
                     rec = unpack_header(value)
-                    if (
-                        rec is None
-                        or header_key(rec) != key
-                        or len(value) != HEADER_BYTES + int(rec["length"])
-                    ):
+                    if rec is None:
+                        damaged.append(key)
+                        continue
+                    recs = np.frombuffer(value, dtype=HEADER_DTYPE, count=1)
+                    size = int(stored_lengths(recs)[0])
+                    if header_key(rec) != key or len(value) != HEADER_BYTES + size:
                         damaged.append(key)
                         continue
                     max_seq = max(max_seq, int(rec["seq"]))
-                    if not header_matches(rec, key, fp, length):
+                    if not check_headers(recs, [key], layout_fp=fp, length=length)[0]:
                         foreign.append(key)
                         continue
-                    found.append((float(rec["atime"]), int(rec["seq"]), key))
+                    found.append((float(rec["atime"]), int(rec["seq"]), key, size))
         except lmdb.Error as exc:
             raise BackendError(f"tier {self.name!r}: cannot scan {self.path}: {exc}") from exc
         self._seq = itertools.count(max_seq + 1)
@@ -673,11 +676,12 @@ class LmdbBackend(Backend):
         keep, surplus = found[: self.num_slots], found[self.num_slots :]
         keep.reverse()  # oldest first, the order restore() wants
         with self._maps_lock:
-            for slot, (_, _, key) in enumerate(keep):
+            for slot, (_, _, key, size) in enumerate(keep):
                 self._slot_key[slot] = key
                 self._key_slot[key] = slot
+                self._stored[slot] = size
         self.slots.reserve(range(len(keep)))
-        reclaim = damaged + foreign + [key for _, _, key in surplus]
+        reclaim = damaged + foreign + [key for _, _, key, _ in surplus]
         if reclaim and not self.readonly:
             self._on_writer(lambda h: _delete_keys(h, reclaim))
         if reclaim:
@@ -694,7 +698,8 @@ class LmdbBackend(Backend):
         else:
             logger.info("tier %s: recovered %d blocks", self.name, len(keep))
         return [
-            RecoveredBlock(BlockKey(key), slot, atime) for slot, (atime, _, key) in enumerate(keep)
+            RecoveredBlock(BlockKey(key), slot, atime)
+            for slot, (atime, _, key, _) in enumerate(keep)
         ]
 
     def discard(self, slots: Sequence[int]) -> None:
@@ -721,6 +726,15 @@ class LmdbBackend(Backend):
             if key is not None:
                 self._slot_key[slot] = None
                 del self._key_slot[key]
+            self._stored[slot] = 0
+
+    def footprint(self) -> tuple[int, int]:
+        """Logical and stored payload bytes of the records this process maps (a freed
+        slot's record stays in the map, intact, until the slot is reused)."""
+        with self._maps_lock:
+            held = [s for s, key in enumerate(self._slot_key) if key is not None]
+            stored = int(self._stored[held].sum())
+        return len(held) * self.layout.bytes_per_block, stored
 
     # -- consistency and shutdown -------------------------------------------------
     def check(self) -> list[str]:
@@ -771,8 +785,13 @@ class LmdbBackend(Backend):
         _close_handles(handles)
 
 
+_Chunk = tuple[int, int, np.ndarray[Any, Any], list[int]]
+"""A packed chunk handed to the writer: batch positions lo..hi, the buffer, and the
+length of each value in it (shorter than its row when compressed)."""
+
+
 def _fed(
-    feed: queue.SimpleQueue[tuple[int, int, np.ndarray[Any, Any]] | None],
+    feed: queue.SimpleQueue[_Chunk | None],
     free: queue.SimpleQueue[np.ndarray[Any, Any]],
     slots: list[int],
     keys: list[bytes],
@@ -783,11 +802,11 @@ def _fed(
         item = feed.get()
         if item is None:
             return
-        lo, hi, buf = item
+        lo, hi, buf, lens = item
         if lo < 0:
             raise BackendError("store aborted while packing")
         for j in range(lo, hi):
-            yield slots[j], keys[j], memoryview(buf[j - lo])
+            yield slots[j], keys[j], buf[j - lo, : lens[j - lo]].data
         free.put(buf)
 
 

@@ -54,6 +54,7 @@ import numpy as np
 import torch
 
 from kvoffload.backend import Backend, RecoveredBlock
+from kvoffload.codec import Packer, codec_named
 from kvoffload.config import MmapTierConfig, TierConfig
 from kvoffload.dirlock import lock_tier_dir
 from kvoffload.exceptions import BackendError, ConfigError
@@ -63,12 +64,14 @@ from kvoffload.record import (
     HEADER_BYTES,
     HEADER_DTYPE,
     MAGIC,
-    VERSION,
+    READABLE_VERSIONS,
     build_headers,
+    check_headers,
     header_crc,
-    padded_keys,
+    pack_payloads,
     payload_checksum,
     seal_rows,
+    stored_lengths,
 )
 
 logger = logging.getLogger(__name__)
@@ -127,6 +130,7 @@ class MmapBackend(Backend):
         self.dir = Path(config.path)
         self.payload_bytes = layout.bytes_per_block
         self.stride = _align_up(self.payload_bytes)  # bytes between slot starts
+        self.packer = Packer(codec_named(config.compression), layout.itemsize)
         self.record_access = True
         """Whether loads refresh ``atime``; maintenance scans turn it off so that a
         ``verify`` does not flatten the LRU order a restart will restore."""
@@ -328,12 +332,15 @@ class MmapBackend(Backend):
         for f in self.files:
             h = f.headers
             used = h["magic"] != b""
+            stored = stored_lengths(h)
             candidates = np.flatnonzero(
                 used
                 & (h["magic"] == MAGIC)
-                & (h["version"] == VERSION)
+                & np.isin(h["version"], READABLE_VERSIONS)
                 & (h["layout"] == fp)
                 & (h["length"] == self.payload_bytes)
+                & np.where(h["codec"] == 0, stored == self.payload_bytes, stored > 0)
+                & (stored <= self.payload_bytes)
                 & (h["key_len"] > 0)
                 & (h["key_len"] <= 64)
             )
@@ -385,7 +392,10 @@ class MmapBackend(Backend):
             return
         rows = src.numpy()
         order = sorted(range(len(slots)), key=slots.__getitem__)
-        checksums: list[int] = [0] * len(slots)
+        n = len(slots)
+        checksums: list[int] = [0] * n
+        stored: list[int] = [self.payload_bytes] * n
+        codecs: list[int] = [0] * n
 
         def do_run(f: _SlabFile, first: int, idxs: list[int]) -> None:
             views = [memoryview(rows[i]) for i in idxs]
@@ -394,7 +404,20 @@ class MmapBackend(Backend):
             offset = f.data_offset + (first - f.first_slot) * self.stride
             self._pwrite_run(f, offset, views)
 
-        self._run_batch(slots, order, do_run)
+        def do_packed_run(f: _SlabFile, first: int, idxs: list[int]) -> None:
+            # Compressed on this I/O thread into the run's bounce buffer, one slot's
+            # stride apart; each block writes only its stored bytes (page-rounded).
+            offset = f.data_offset + (first - f.first_slot) * self.stride
+            with self._bounce_buffer() as bounce:
+                out = np.frombuffer(bounce, dtype=np.uint8)
+                out = out[: len(idxs) * self.stride].reshape(len(idxs), self.stride)
+                got = pack_payloads([rows[i] for i in idxs], out, self.packer)
+                for k, i in enumerate(idxs):
+                    stored[i], codecs[i], checksums[i] = got[0][k], got[1][k], got[2][k]
+                    size = _align_up(stored[i])
+                    self._pwritev_all(f.fd, [out[k, :size].data], offset + k * self.stride)
+
+        self._run_batch(slots, order, do_run if self.packer.codec.is_none else do_packed_run)
         now = time.time()
         key_bytes = [bytes(k) for k in keys]
         files, locals_ = self._locate_all(slots)
@@ -404,10 +427,11 @@ class MmapBackend(Backend):
                 key_bytes,
                 length=self.payload_bytes,
                 first_seq=self._seq + 1,
-                wtime=now,
-                atime=now,
+                now=now,
                 layout_fp=self.layout.fingerprint,
                 checksums=checksums,
+                stored=stored,
+                codecs=codecs,
             )
             self._seq += len(slots)
             for f, idx in self._by_file(files):
@@ -430,37 +454,72 @@ class MmapBackend(Backend):
         if not slots:
             return []
         rows = dst.numpy()
-        order = sorted(range(len(slots)), key=slots.__getitem__)
-        sums: list[int] = [0] * len(slots)
+        n = len(slots)
+        order = sorted(range(n), key=slots.__getitem__)
+        sums: list[int] = [0] * n
+        files, locals_ = self._locate_all(slots)
+        # How each block is stored, from the table in memory: a compressed block is
+        # read (its stored bytes only) into a bounce buffer and decompressed into its
+        # row; a raw one straight into its row, as before compression existed.
+        codec = np.zeros(n, dtype=np.uint8)
+        stored = np.full(n, self.payload_bytes, dtype=np.int64)
+        want = np.zeros(n, dtype=np.uint64)
+        with self._lock:
+            for f, idx in self._by_file(files):
+                recs = f.headers[locals_[idx]]
+                codec[idx], stored[idx], want[idx] = (
+                    recs["codec"],
+                    stored_lengths(recs),
+                    recs["checksum"],
+                )
+        packed = (codec != 0) & (stored > 0) & (stored < self.payload_bytes)
+        undecodable = np.zeros(n, dtype=bool)
 
-        # The I/O threads only read and checksum; the headers are checked afterwards
-        # as arrays, for the reason given in ``build_headers``.
+        # The I/O threads only read and checksum (and decompress what verifies); the
+        # headers are checked afterwards as arrays, for the reason in ``build_headers``.
         def do_run(f: _SlabFile, first: int, idxs: list[int]) -> None:
             offset = f.data_offset + (first - f.first_slot) * self.stride
-            views = [memoryview(rows[i]) for i in idxs]
-            self._pread_run(f, offset, views)
-            for i, view in zip(idxs, views, strict=True):
-                sums[i] = payload_checksum(view)
+            if not packed[idxs].any():
+                views = [memoryview(rows[i]) for i in idxs]
+                self._pread_run(f, offset, views)
+                for i, view in zip(idxs, views, strict=True):
+                    sums[i] = payload_checksum(view)
+                return
+            with self._bounce_buffer() as bounce:
+                for k, i in enumerate(idxs):
+                    at = offset + k * self.stride
+                    if not packed[i]:
+                        self._pread_run(f, at, [memoryview(rows[i])])
+                        sums[i] = payload_checksum(rows[i])
+                        continue
+                    size = int(stored[i])
+                    view = memoryview(bounce)[: _align_up(size)]
+                    self._preadv_all(f.fd, [view], at)
+                    sums[i] = payload_checksum(view[:size])
+                    # Decompressed only once verified: damage never reaches blosc2.
+                    if sums[i] == int(want[i]) and not self.packer.decompress_into(
+                        view[:size], rows[i]
+                    ):
+                        undecodable[i] = True
 
         self._run_batch(slots, order, do_run)
-        files, locals_ = self._locate_all(slots)
-        want_keys = padded_keys([bytes(k) for k in keys])
-        want_lens = np.array([len(k) for k in keys], dtype=np.uint16)
-        got_sums = np.array(sums, dtype=np.uint64)
-        fp = np.array([self.layout.fingerprint], dtype="V16")[0]
-        valid_arr = np.zeros(len(slots), dtype=bool)
+        valid_arr = np.zeros(n, dtype=bool)
         now = time.time()
+        key_list = [bytes(k) for k in keys]
         with self._lock:
             for f, idx in self._by_file(files):
                 local = locals_[idx]
                 recs = f.headers[local]
                 ok = (
-                    (recs["magic"] == MAGIC)
-                    & (recs["length"] == self.payload_bytes)
-                    & (recs["layout"] == fp)
-                    & (recs["key_len"] == want_lens[idx])
-                    & (recs["key"] == want_keys[idx])
-                    & (recs["checksum"] == got_sums[idx])
+                    check_headers(
+                        recs,
+                        [key_list[i] for i in idx.tolist()],
+                        layout_fp=self.layout.fingerprint,
+                        length=self.payload_bytes,
+                        checksums=np.array(sums, dtype=np.uint64)[idx],
+                        stored=stored[idx],
+                    )
+                    & ~undecodable[idx]
                 )
                 valid_arr[idx] = ok
                 if self.record_access and ok.any():
@@ -484,6 +543,17 @@ class MmapBackend(Backend):
 
     def discard(self, slots: Sequence[int]) -> None:
         self._clear_headers(list(slots))
+
+    def footprint(self) -> tuple[int, int]:
+        """Logical and stored payload bytes of the blocks the header tables describe
+        (a compressed block's slot holds its stored bytes and an unused tail)."""
+        count = stored = 0
+        with self._lock:
+            for f in self.files:
+                used = f.headers[f.headers["magic"] == MAGIC]
+                count += len(used)
+                stored += int(stored_lengths(used).sum())
+        return count * self.payload_bytes, stored
 
     def check(self) -> list[str]:
         problems = super().check()

@@ -69,19 +69,13 @@ from redis.retry import Retry
 from redis.utils import HIREDIS_AVAILABLE
 
 from kvoffload.backend import Backend
-from kvoffload.config import ByteSize, TierConfig
+from kvoffload.codec import Packer, codec_named
+from kvoffload.config import ByteSize, Compression, TierConfig, check_compression
 from kvoffload.exceptions import BackendError, ConfigError
+from kvoffload.hostcopy import Buffers
 from kvoffload.keys import MAX_KEY_BYTES, BlockKey
 from kvoffload.layout import KVLayout
-from kvoffload.record import (
-    HEADER_BYTES,
-    MAGIC,
-    VERSION,
-    build_headers,
-    key_bytes,
-    padded_keys,
-    payload_checksum,
-)
+from kvoffload.record import HEADER_BYTES, check_headers, key_bytes, pack_values
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +125,12 @@ class RedisTierConfig(TierConfig):
     key_prefix: str = "kvo"
     """First part of every key (1-64 letters, digits, ``_.-``): separates deployments
     sharing one server, and lets an operator find or flush this tier's keys."""
+    compression: Compression = "none"
+    """Lossless compression of each value (see the disk tiers' ``compression``): the
+    server then holds more blocks in the same ``maxmemory``, and each load and store
+    moves fewer bytes over the network. Checksums cover the stored bytes."""
+
+    _compression = field_validator("compression")(check_compression)
     ttl_s: int | None = Field(default=None, gt=0)
     """Expire each block this many seconds after its last store; ``null``: only the
     server's eviction removes blocks."""
@@ -355,7 +355,7 @@ def _counting_connection(base: type[Connection], tally: _Tally, sinks: Sinks) ->
     def read_response(self: Connection, *args: Any, **kwargs: Any) -> Any:
         reply = base.read_response(self, *args, **kwargs)
         sink = sinks.active
-        if sink is not None and type(reply) is bytes and len(reply) == sink.value_bytes:
+        if sink is not None and type(reply) is bytes and sink.takes(len(reply)):
             return sink.take(reply)
         return reply
 
@@ -477,7 +477,6 @@ class RedisBackend(Backend):
         self.redis_config = config
         self.value_bytes = HEADER_BYTES + layout.bytes_per_block
         self._key_head = f"{config.key_prefix}:{layout.fingerprint.hex()}:".encode()
-        self._fp = np.array([layout.fingerprint], dtype="V16")[0]
         self._secrets = [
             s.get_secret_value() for s in (config.password, config.username) if s is not None
         ]
@@ -491,7 +490,11 @@ class RedisBackend(Backend):
         self._client: _RedisClient | None = None
         self._closed = False
         self._seq = itertools.count(1)
-        self._spare: np.ndarray[Any, Any] | None = None
+        self.packer = Packer(codec_named(config.compression), layout.itemsize)
+        self._buffers = Buffers(self.value_bytes, keep_bytes=_SPARE_PACK_BYTES)
+        """Pack buffers (see :data:`_SPARE_PACK_BYTES`)."""
+        self._stored = np.zeros(self.num_slots, dtype=np.int64)
+        """Payload bytes as stored of what this client last wrote into each slot."""
         self._failing = 0
         self.missing_blocks = 0
         """Blocks asked for that the server did not have (evicted, expired, never
@@ -614,60 +617,43 @@ class RedisBackend(Backend):
             return
         key_list = key_bytes(self.name, keys)
         rows = (src if src.device.type == "cpu" else src.to("cpu")).numpy()
-        buf = self._take_buffer(len(key_list))
+        # The whole batch is packed before the pipeline is sent (its values are views
+        # of the buffer), so the buffer is as big as the batch; the pool keeps up to
+        # _SPARE_PACK_BYTES for the next one, so it does not fault fresh pages in.
+        held = self._buffers.acquire(len(key_list), spare_rows=1)
         try:
-            self._pack_into(buf, key_list, rows)
+            buf = held.numpy()
+            with self._lock:
+                first = next(self._seq)
+                self._seq = itertools.count(first + len(key_list))
+            lens = pack_values(
+                key_list,
+                rows,
+                buf,
+                packer=self.packer,
+                layout_fp=self.layout.fingerprint,
+                first_seq=first,
+                now=time.time(),
+            )
             ttl = self.redis_config.ttl_s
 
             def queue(pipe: Any) -> None:
                 for i, key in enumerate(key_list):
-                    # A memoryview of the packed row: sent as it is, never copied.
-                    pipe.set(self.redis_key(key), memoryview(buf[i]), ex=ttl)
+                    # A memoryview of the packed value: sent as it is, never copied.
+                    pipe.set(self.redis_key(key), buf[i, : lens[i]].data, ex=ttl)
 
             self._run("write", len(key_list), queue)
-        finally:
-            self._give_buffer(buf)
-
-    def _pack_into(self, out: np.ndarray[Any, Any], keys: list[bytes], rows: Any) -> None:
-        """Header plus payload of each row into the rows of ``out``; the checksum is
-        of the copy, so what is stored is exactly what was summed even if the caller
-        reuses its buffer meanwhile."""
-        n = len(keys)
-        payloads = out[:, HEADER_BYTES:]
-        np.copyto(payloads, rows)
-        sums = [payload_checksum(p) for p in payloads]
-        with self._lock:
-            first = next(self._seq)
-            self._seq = itertools.count(first + n)
-        now = time.time()
-        headers = build_headers(
-            keys,
-            length=self.layout.bytes_per_block,
-            first_seq=first,
-            wtime=now,
-            atime=now,
-            layout_fp=self.layout.fingerprint,
-            checksums=sums,
-        )
-        out[:, :HEADER_BYTES] = headers.view(np.uint8).reshape(n, HEADER_BYTES)
-
-    def _take_buffer(self, n: int) -> np.ndarray[Any, Any]:
-        """A ``[n, value_bytes]`` pack buffer. The whole batch is packed before the
-        pipeline is sent (its values are views of the buffer), so the buffer is as big
-        as the batch; one up to :data:`_SPARE_PACK_BYTES` is kept for the next batch,
-        so the usual batch does not fault fresh pages in every time."""
-        with self._lock:
-            spare, self._spare = self._spare, None
-        if spare is not None and spare.shape[0] >= n:
-            return spare[:n]
-        return np.empty((n, self.value_bytes), dtype=np.uint8)
-
-    def _give_buffer(self, buf: np.ndarray[Any, Any]) -> None:
-        base = buf if buf.base is None else buf.base
-        if base.nbytes <= _SPARE_PACK_BYTES:
             with self._lock:
-                if self._spare is None or self._spare.shape[0] < base.shape[0]:
-                    self._spare = base
+                self._stored[list(slots)] = [v - HEADER_BYTES for v in lens]
+        finally:
+            self._buffers.release(held)
+
+    def footprint(self) -> tuple[int, int]:
+        """Logical and stored payload bytes of what this client wrote into the slots it
+        holds: the server may have evicted some since (it keeps the books)."""
+        with self._lock:
+            held = self._stored[self._stored > 0]
+            return len(held) * self.layout.bytes_per_block, int(held.sum())
 
     def read(self, slots: Sequence[int], keys: Sequence[BlockKey], dst: torch.Tensor) -> list[bool]:
         self.check_batch(slots, keys, dst)
@@ -684,7 +670,7 @@ class RedisBackend(Backend):
         # through a host buffer.
         direct = dst.device.type == "cpu" and dst.stride(1) == 1
         out = dst if direct else torch.empty(dst.shape, dtype=torch.uint8)
-        sink = ReadSink(out.numpy(), key_list, self.value_bytes)
+        sink = ReadSink(out.numpy(), key_list, self.value_bytes, self.packer)
         self._sinks.active = sink
         try:
             values = self._run("read", len(key_list), queue, wrong_type_ok=True)
@@ -715,24 +701,21 @@ class RedisBackend(Backend):
             elif type(value) is Sunk:
                 if value.row == i:  # else: a value filed under key i that names another
                     checked.append(i)
-            elif isinstance(value, bytes) and len(value) == self.value_bytes:
+            elif isinstance(value, bytes) and sink.takes(len(value)):
                 sink.fill(i, value)
                 checked.append(i)
         ok = np.zeros(n, dtype=bool)
         if checked:
-            headers = sink.headers[checked]
-            want = [keys[i] for i in checked]
-            match = (
-                (headers["magic"] == MAGIC)
-                & (headers["version"] == VERSION)
-                & (headers["length"] == self.layout.bytes_per_block)
-                & (headers["layout"] == self._fp)
-                & (headers["key_len"] == np.array([len(k) for k in want], dtype=np.uint16))
-                & (headers["key"] == padded_keys(want))
-                & (headers["hcrc"] == np.array(sink.crcs, dtype=np.uint32)[checked])
-                & (headers["checksum"] == np.array(sink.sums, dtype=np.uint64)[checked])
+            match = check_headers(
+                sink.headers[checked],
+                [keys[i] for i in checked],
+                layout_fp=self.layout.fingerprint,
+                length=self.layout.bytes_per_block,
+                checksums=np.array(sink.sums, dtype=np.uint64)[checked],
+                crcs=np.array(sink.crcs, dtype=np.uint32)[checked],
+                stored=np.array(sink.stored, dtype=np.int64)[checked],
             )
-            ok[checked] = match
+            ok[checked] = match & ~np.isin(checked, list(sink.undecodable))
         bad = n - absent - int(ok.sum())
         with self._stats_lock:
             self.missing_blocks += absent
@@ -842,6 +825,8 @@ class RedisBackend(Backend):
         """Nothing to do: a slot names no value on the server (see the module docs).
         A block found corrupt is left to be overwritten or evicted, since another
         engine may be rewriting it; :meth:`delete` removes blocks by key."""
+        with self._lock:
+            self._stored[list(slots)] = 0
 
     def close(self) -> None:
         """Close the connections. Idempotent; the backend is unusable afterwards."""

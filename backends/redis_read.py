@@ -27,6 +27,7 @@ from redis._parsers.socket import SERVER_CLOSED_CONNECTION_ERROR
 from redis.exceptions import ConnectionError, InvalidResponse
 from redis.utils import SENTINEL
 
+from kvoffload.codec import Packer
 from kvoffload.keys import MAX_KEY_BYTES
 from kvoffload.record import HEADER_BYTES, HEADER_DTYPE, payload_checksum
 
@@ -43,6 +44,11 @@ _KEY_FIELD: Final = slice(
     HEADER_DTYPE.fields["key"][1] + MAX_KEY_BYTES,  # type: ignore[index]
 )
 """Where a value's header keeps its (NUL-padded) block key."""
+_CHECKSUM_FIELD: Final = slice(
+    HEADER_DTYPE.fields["checksum"][1],  # type: ignore[index]
+    HEADER_DTYPE.fields["checksum"][1] + 8,  # type: ignore[index]
+)
+"""Where a value's header keeps the checksum of its payload as stored."""
 
 
 class Sunk:
@@ -70,10 +76,18 @@ class ReadSink:
     is 64 MiB of fresh pages every batch, faulted in by the parser and then read twice
     from memory."""
 
-    def __init__(self, rows: np.ndarray[Any, Any], keys: list[bytes], value_bytes: int) -> None:
+    def __init__(
+        self,
+        rows: np.ndarray[Any, Any],
+        keys: list[bytes],
+        value_bytes: int,
+        packer: Packer | None = None,
+    ) -> None:
         n = len(keys)
         self.rows = rows
         self.value_bytes = value_bytes
+        """A raw value's length (header plus payload); a compressed one is shorter."""
+        self.packer = packer
         self.waiting: dict[bytes, list[int]] = {}
         for i, key in enumerate(keys):
             self.waiting.setdefault(key.ljust(MAX_KEY_BYTES, b"\0"), []).append(i)
@@ -81,6 +95,15 @@ class ReadSink:
         self._raw = self.headers.view(np.uint8).data  # flat: row i at i * 128
         self.crcs = [0] * n
         self.sums = [0] * n
+        self.stored = [0] * n
+        """Payload bytes each row's value held, as stored."""
+        self.undecodable: set[int] = set()
+        """Rows whose value verified but did not decompress (a foreign chunk)."""
+
+    def takes(self, length: int) -> bool:
+        """Whether a value of ``length`` bytes may be a record: a header and a payload
+        no longer than a raw one."""
+        return HEADER_BYTES < length <= self.value_bytes
 
     def claim(self, header: bytes | memoryview) -> int | None:
         """The row a value with this header goes to, taken off the waiting list."""
@@ -101,9 +124,22 @@ class ReadSink:
 
     def fill(self, row: int, value: bytes) -> None:
         """Header, header CRC and payload checksum of ``value``, and its payload into
-        ``row``: everything the read's verification needs of it afterwards."""
+        ``row``: everything the read's verification needs of it afterwards. A
+        compressed payload is decompressed into the row only once its header and
+        checksum verify: damage never reaches the decompressor."""
         view = memoryview(value)
         target = self.rows[row]
+        if len(value) != self.value_bytes:
+            header, stored = view[:HEADER_BYTES], view[HEADER_BYTES:]
+            self.note(row, header, stored)
+            intact = self.crcs[row] == int.from_bytes(
+                header[HEADER_BYTES - 4 :], "little"
+            ) and self.sums[row] == int.from_bytes(header[_CHECKSUM_FIELD], "little")
+            if not intact:
+                return  # the verification afterwards finds it
+            if self.packer is None or not self.packer.decompress_into(stored, target):
+                self.undecodable.add(row)
+            return
         if target.flags.c_contiguous:
             memoryview(target)[:] = view[HEADER_BYTES:]
         else:
@@ -116,6 +152,7 @@ class ReadSink:
         self._raw[row * HEADER_BYTES : (row + 1) * HEADER_BYTES] = header
         self.crcs[row] = zlib.crc32(header[: HEADER_BYTES - 4])
         self.sums[row] = payload_checksum(payload)
+        self.stored[row] = len(payload)
 
     def direct_row(self, row: int) -> memoryview | None:
         """A writable view of ``row`` to receive a payload into; None if it is strided."""
@@ -194,7 +231,9 @@ def direct_get_parser(sinks: Sinks) -> type[_HiredisParser]:
             if length != sink.value_bytes:
                 value = self._exact(length)
                 self._crlf()
-                return value
+                # A compressed record (shorter than a raw one) goes to its row now,
+                # decompressed while the next reply is still on the wire.
+                return sink.take(value) if sink.takes(length) else value
             header = self._exact(HEADER_BYTES)
             row = sink.claim(header)
             view = None if row is None else sink.direct_row(row)

@@ -82,6 +82,14 @@ class Backend(ABC):
     def capacity_bytes(self) -> int:
         return self.num_slots * self.slot_bytes(self.layout)
 
+    def footprint(self) -> tuple[int, int] | None:
+        """``(logical_bytes, stored_bytes)``: payload bytes of the blocks this tier
+        holds as the engine gave them, and as they sit in the tier (less when
+        compressed). ``None``: the backend keeps no count (the tier then reports its
+        manager's blocks times ``bytes_per_block`` for both). Thread-safe; cheap
+        enough for a metrics scrape, not for every batch."""
+        return None
+
     @final
     def allocate(self, n: int) -> list[int] | None:
         """``n`` free slots, or ``None`` when fewer are free.

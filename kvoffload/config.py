@@ -52,6 +52,7 @@ from pydantic.json_schema import WithJsonSchema
 from pydantic_core import PydanticCustomError
 
 from kvoffload import plugins
+from kvoffload.codec import require_blosc2
 from kvoffload.exceptions import ConfigError, RegistryError
 from kvoffload.layout import DTYPE_NAMES, KVLayout
 from kvoffload.sizes import SIZE_HINT, parse_size
@@ -146,6 +147,17 @@ class CPUTierConfig(TierConfig):
     """Page-lock the slab for fast DMA. ``null``: only when CUDA is available."""
 
 
+Compression = Literal["none", "lz4", "zstd", "lz4hc"]
+"""A tier's ``compression``: the names of :data:`kvoffload.codec.CODECS`."""
+
+
+def check_compression(name: str) -> str:
+    """A codec other than ``none`` needs blosc2, which is optional: refuse it at load
+    time, not at the first store."""
+    require_blosc2("compression", name)
+    return name
+
+
 class DiskTierConfig(TierConfig):
     """Settings shared by the persistent tiers."""
 
@@ -154,6 +166,15 @@ class DiskTierConfig(TierConfig):
     put the tier wherever the engine happens to start, and two tiers that both left it
     out would share it. Relative paths are taken from the current directory. One writer
     process per directory, and no tier's directory inside another's."""
+    compression: Compression = "none"
+    """Lossless compression of each block as stored: ``none``, ``lz4`` (fastest),
+    ``zstd`` (smallest), ``lz4hc``; blosc2 with a byte shuffle by the cache dtype's
+    size (``pip install 'kvoffload[compress]'``). Checksums cover the stored bytes. A
+    block that does not shrink is stored raw. Changing it keeps the tier's blocks
+    readable. On ``mmap`` a compressed block uses the front of its slot (less I/O, the
+    same slot count); on ``lmdb`` it takes only its compressed size on disk."""
+
+    _compression = field_validator("compression")(check_compression)
     fsync: bool = True
     """``true``: flush to the device after every store batch, so a block whose store
     completed survives power loss. ``false``: completed stores survive a process crash

@@ -46,8 +46,9 @@ from typing import Any, Final
 import numpy as np
 import torch
 
-from kvoffload.blockpool import BlockPool, page_aligned_empty
+from kvoffload.blockpool import BlockPool
 from kvoffload.devicelane import DeviceLane
+from kvoffload.hostcopy import Buffers
 
 logger = logging.getLogger(__name__)
 
@@ -221,42 +222,6 @@ class StoreGate:
                 return True
             self._cond.wait_for(lambda: self._state != self._READING)
             return self._state == self._ABANDONED
-
-
-class Buffers:
-    """Reusable page-aligned (pinned under CUDA) staging buffers, so that a transfer
-    does not pay page faults on fresh memory every time. Thread-safe."""
-
-    KEEP_BYTES: Final = 512 * 1024**2
-    """Free buffers kept for reuse, in bytes; beyond it they go back to the allocator."""
-
-    def __init__(self, bytes_per_block: int, *, pin_memory: bool) -> None:
-        self.bpb = bytes_per_block
-        self.pin = pin_memory
-        self._free: list[torch.Tensor] = []  # sorted by rows, smallest first
-        self._lent: dict[int, torch.Tensor] = {}  # data_ptr -> whole buffer
-        self._lock = threading.Lock()
-
-    def acquire(self, n: int) -> torch.Tensor:
-        """A ``uint8 [n, bytes_per_block]`` page-aligned view; give it back with
-        :meth:`release`."""
-        with self._lock:
-            for i, whole in enumerate(self._free):
-                if whole.shape[0] >= n:
-                    del self._free[i]
-                    break
-            else:
-                whole = page_aligned_empty(max(n, 16), self.bpb, pin_memory=self.pin)
-            self._lent[whole.data_ptr()] = whole
-        return whole[:n]
-
-    def release(self, view: torch.Tensor) -> None:
-        with self._lock:
-            whole = self._lent.pop(view.data_ptr())
-            kept = sum(b.numel() for b in self._free)
-            if kept + whole.numel() <= self.KEEP_BYTES:
-                self._free.append(whole)
-                self._free.sort(key=lambda b: b.shape[0])
 
 
 def _ignore_layer(layer: int, event: Any) -> None:

@@ -50,6 +50,50 @@ def page_aligned_empty(n: int, row_bytes: int, *, pin_memory: bool = False) -> t
     return raw[skip : skip + n * row_bytes].view(n, row_bytes)
 
 
+class Buffers:
+    """Reusable page-aligned (optionally pinned) rows, so that a transfer or a pack
+    does not pay page faults on fresh memory every time. Thread-safe.
+
+    The one pool of host buffers: the data path stages device transfers in one
+    (pinned under CUDA), and the tiers that store a record as one value (LMDB,
+    Redis) pack header and payload into one. ``np.empty``-like: pages a small batch
+    never touches are never faulted in."""
+
+    KEEP_BYTES: Final = 512 * 1024**2
+    """Free buffers kept for reuse by default, in bytes; beyond it they go back."""
+
+    def __init__(
+        self, bytes_per_block: int, *, pin_memory: bool = False, keep_bytes: int = KEEP_BYTES
+    ) -> None:
+        self.bpb = bytes_per_block
+        self.pin = pin_memory
+        self.keep_bytes = keep_bytes
+        self._free: list[torch.Tensor] = []  # sorted by rows, smallest first
+        self._lent: dict[int, torch.Tensor] = {}  # data_ptr -> whole buffer
+        self._lock = threading.Lock()
+
+    def acquire(self, n: int, *, spare_rows: int = 16) -> torch.Tensor:
+        """A ``uint8 [n, bytes_per_block]`` page-aligned view; give it back with
+        :meth:`release`."""
+        with self._lock:
+            for i, whole in enumerate(self._free):
+                if whole.shape[0] >= n:
+                    del self._free[i]
+                    break
+            else:
+                whole = page_aligned_empty(max(n, spare_rows), self.bpb, pin_memory=self.pin)
+            self._lent[whole.data_ptr()] = whole
+        return whole[:n]
+
+    def release(self, view: torch.Tensor) -> None:
+        with self._lock:
+            whole = self._lent.pop(view.data_ptr())
+            kept = sum(b.numel() for b in self._free)
+            if kept + whole.numel() <= self.keep_bytes:
+                self._free.append(whole)
+                self._free.sort(key=lambda b: b.shape[0])
+
+
 def byte_view(t: torch.Tensor) -> memoryview:
     """Zero-copy ``memoryview`` of a contiguous CPU tensor's bytes (for ``os.pwritev``,
     hashing and file writes)."""

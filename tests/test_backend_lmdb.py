@@ -41,6 +41,14 @@ class TestLmdbContract(BackendContract):
         return lambda layout, num_slots: make_backend("lmdb", layout, num_slots, tmp_path)
 
 
+class TestLmdbContractCompressed(BackendContract):
+    @pytest.fixture
+    def backend_factory(self, tmp_path: Path) -> BackendFactory:
+        return lambda layout, num_slots: make_backend(
+            "lmdb", layout, num_slots, tmp_path, compression="zstd"
+        )
+
+
 # -- helpers ----------------------------------------------------------------------
 
 

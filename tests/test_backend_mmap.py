@@ -37,6 +37,24 @@ class TestMmapContractBuffered(BackendContract):
         return lambda layout, n: make_backend("mmap", layout, n, tmp_path, direct_io="off")
 
 
+class TestMmapContractCompressedDirect(BackendContract):
+    """Compressed blocks (the contract's KV-like rows) use the front of their slots."""
+
+    @pytest.fixture
+    def backend_factory(self, tmp_path: Path) -> BackendFactory:
+        return lambda layout, n: make_backend(
+            "mmap", layout, n, tmp_path, direct_io="on", compression="zstd"
+        )
+
+
+class TestMmapContractCompressedBuffered(BackendContract):
+    @pytest.fixture
+    def backend_factory(self, tmp_path: Path) -> BackendFactory:
+        return lambda layout, n: make_backend(
+            "mmap", layout, n, tmp_path, direct_io="off", compression="lz4"
+        )
+
+
 def config(path: Path, capacity: str = "4MiB", **extra: Any) -> KVOffloadConfig:
     tier = {"name": "ssd", "backend": "mmap", "path": str(path), "capacity": capacity, **extra}
     return load_config({"tiers": [tier], "stress": {"layout": STRESS_LAYOUT}})

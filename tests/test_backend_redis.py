@@ -164,6 +164,18 @@ class TestRedisContract(BackendContract):
         return lambda layout, num_slots: make(layout, num_slots, **deployment.settings)
 
 
+class TestRedisContractCompressed(BackendContract):
+    """On a standalone server only: compression is the client's, the same on a cluster."""
+
+    @pytest.fixture
+    def backend_factory(
+        self, standalone: Deployment, make: Callable[..., RedisBackend]
+    ) -> BackendFactory:
+        return lambda layout, num_slots: make(
+            layout, num_slots, compression="zstd", **standalone.settings
+        )
+
+
 # -- data ---------------------------------------------------------------------------
 
 

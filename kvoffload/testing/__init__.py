@@ -13,7 +13,14 @@ Adopt the backend contract with a ten-line test file::
 Needs pytest (the ``dev`` extra).
 """
 
-from kvoffload.testing.contract import BackendContract, BackendFactory, make_backend
+from kvoffload.testing.contract import BackendContract, BackendFactory, kv_like, make_backend
 from kvoffload.testing.faults import Faults, FaultyBackend
 
-__all__ = ["BackendContract", "BackendFactory", "Faults", "FaultyBackend", "make_backend"]
+__all__ = [
+    "BackendContract",
+    "BackendFactory",
+    "Faults",
+    "FaultyBackend",
+    "kv_like",
+    "make_backend",
+]

@@ -61,9 +61,24 @@ def _keys(n: int, salt: int = 0) -> list[BlockKey]:
     return [namespaced(b"contract-%d" % salt, i.to_bytes(4, "little")) for i in range(n)]
 
 
-def _payload(layout: KVLayout, n: int, seed: int) -> torch.Tensor:
+def kv_like(layout: KVLayout, n: int, seed: int) -> torch.Tensor:
+    """``n`` blocks of small normal values in the layout's dtype, as bytes: like a KV
+    cache in that a byte-shuffling codec shrinks them (their high bytes repeat), so a
+    compressing tier really compresses them."""
     gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (n, layout.bytes_per_block), dtype=torch.uint8, generator=gen)
+    count = layout.bytes_per_block // layout.itemsize
+    values = torch.randn((n, count), generator=gen) * 0.5
+    return values.to(layout.torch_dtype).view(torch.uint8).reshape(n, layout.bytes_per_block)
+
+
+def _payload(layout: KVLayout, n: int, seed: int) -> torch.Tensor:
+    """Random bytes in odd rows (no codec shrinks them: a compressing tier stores them
+    raw) and KV-like values in even ones (it compresses those), so every test covers
+    both forms of a record."""
+    gen = torch.Generator().manual_seed(seed)
+    out = torch.randint(0, 256, (n, layout.bytes_per_block), dtype=torch.uint8, generator=gen)
+    out[::2] = kv_like(layout, (n + 1) // 2, seed)
+    return out
 
 
 class BackendContract:

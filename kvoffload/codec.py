@@ -1,0 +1,144 @@
+"""Lossless block compression for the persistent and shared tiers (``compression:``).
+
+A tier's ``compression`` names a :class:`Codec`; ``none`` (the default) stores the
+engine's bytes as they are. The others are c-blosc2 codecs behind a *byte shuffle*:
+a cache value of ``s`` bytes keeps most of its redundancy in one byte position (a
+bf16's sign and exponent byte), and the shuffle puts byte ``k`` of every value side by
+side, so a fast LZ codec finds it. The element size is the cache dtype's
+(:attr:`~kvoffload.layout.KVLayout.dtype`), never guessed from the bytes.
+
+A compressed payload is a blosc2 *chunk*: it names its own codec and filters and
+carries its uncompressed and compressed sizes, so a tier reads back blocks written
+under any codec, whatever its setting says now. The record header still names the
+codec (:mod:`kvoffload.record`), for ``kvoffload inspect`` and so that a reader
+without blosc2 counts such a block as a miss instead of failing.
+
+Why blosc2: it is the maintained library built for exactly this (typed, shuffled,
+multi-codec binary data), ships manylinux wheels, and compresses and decompresses
+with the GIL released, so the lane threads of a tier run it in parallel. It is an
+optional dependency (``pip install 'kvoffload[compress]'``); a tier that names a codec
+without it is refused at start-up, in one line.
+
+A block that does not shrink is stored as it is (codec ``none`` in its header): a
+codec never costs a tier capacity or a copy on load.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Final
+
+import numpy as np
+
+NONE_ID: Final = 0
+
+
+@dataclass(frozen=True)
+class Codec:
+    """One ``compression`` setting: how a tier's payloads are packed."""
+
+    name: str
+    id: int
+    """Stored in each record header; 0 is ``none``. Never reused for another codec."""
+    blosc_codec: str = ""
+    """Name of the c-blosc2 codec (``blosc2.Codec``); empty for ``none``."""
+    clevel: int = 0
+    filter: str = "SHUFFLE"
+    """c-blosc2 filter applied before the codec (``blosc2.Filter``)."""
+
+    @property
+    def is_none(self) -> bool:
+        return self.id == NONE_ID
+
+
+CODECS: Final[dict[str, Codec]] = {
+    c.name: c
+    for c in (
+        Codec("none", NONE_ID),
+        # Levels from scripts/bench_codecs.py over real SmolLM2 KV (docs/benchmarks.md,
+        # "Compression"): the lowest level that reaches the codec's ratio.
+        Codec("lz4", 1, "LZ4", 1),
+        Codec("zstd", 2, "ZSTD", 1),
+        Codec("lz4hc", 3, "LZ4HC", 5),
+    )
+}
+BY_ID: Final[dict[int, Codec]] = {c.id: c for c in CODECS.values()}
+
+
+def codec_named(name: str) -> Codec:
+    """The codec of a ``compression`` setting (validated by the config first)."""
+    return CODECS[name]
+
+
+def blosc2_module() -> Any:
+    """``blosc2``, imported on first use (only compressed tiers need it); ``None`` if
+    it is not installed."""
+    if not _blosc2:
+        try:
+            _blosc2.append(importlib.import_module("blosc2"))
+        except ImportError:
+            _blosc2.append(None)
+    return _blosc2[0]
+
+
+_blosc2: list[Any] = []
+
+
+def require_blosc2(where: str, name: str) -> None:
+    """Raise a one-line :class:`ValueError` (the config turns it into its error) when
+    codec ``name`` is asked for and blosc2 is not installed."""
+    if name != "none" and blosc2_module() is None:
+        raise ValueError(
+            f"{where}: compression {name!r} needs the blosc2 package, which is not "
+            "installed; pip install 'kvoffload[compress]', or set compression: none"
+        )
+
+
+class Packer:
+    """Compresses and decompresses one tier's payloads; safe to share among threads
+    (every call builds its own c-blosc2 context, and each runs on one thread: the
+    tier's lanes are the parallelism)."""
+
+    def __init__(self, codec: Codec, typesize: int) -> None:
+        self.codec = codec
+        self.typesize = max(1, typesize)
+        self._b2 = None if codec.is_none else blosc2_module()
+        self._cparams: dict[str, Any] = {}
+        if self._b2 is not None:
+            b2 = self._b2
+            self._cparams = {
+                "codec": getattr(b2.Codec, codec.blosc_codec),
+                "clevel": codec.clevel,
+                "typesize": self.typesize,
+                "nthreads": 1,
+                "filters": [getattr(b2.Filter, codec.filter)],
+                "filters_meta": [0],
+            }
+
+    def compress(self, payload: Any) -> bytes | None:
+        """``payload`` compressed, or ``None`` when it does not shrink (or the tier
+        stores raw bytes): the caller then stores it as it is."""
+        if self._b2 is None:
+            return None
+        out: bytes = self._b2.compress2(payload, **self._cparams)
+        return out if len(out) < len(memoryview(payload).cast("B")) else None
+
+    def decompress_into(self, stored: Any, dst: np.ndarray[Any, Any]) -> bool:
+        """Decompress a verified chunk into ``dst`` (a contiguous ``uint8`` row).
+        ``False``, leaving ``dst`` undefined, if the chunk is not one of exactly that
+        many bytes (a foreign writer's, say), or blosc2 is missing here."""
+        b2 = self._b2 if self._b2 is not None else blosc2_module()
+        if b2 is None:
+            return False
+        try:
+            nbytes, cbytes, _ = b2.get_cbuffer_sizes(stored)
+            if nbytes != dst.nbytes or cbytes != len(memoryview(stored).cast("B")):
+                return False
+            b2.decompress2(stored, dst=dst)
+        except Exception:  # a malformed chunk: a miss, never an exception
+            return False
+        return True
+
+
+__all__ = ["BY_ID", "CODECS", "NONE_ID", "Codec", "Packer", "codec_named", "require_blosc2"]

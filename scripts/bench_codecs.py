@@ -1,0 +1,222 @@
+"""Which lossless blosc2 settings pay for KV-cache blocks (issue 24), on captured real KV.
+
+Loads the captures of ``scripts/capture_kv.py`` (``out/kv_capture/*.npz``: each block
+the bytes the tier stores for one 32-token block, all layers) and, per capture and
+codec setting, compresses every block on its own, in one ``blosc2.compress2`` call
+per unit, as the tier will: the whole block record payload (``--unit block``, the
+default: 720 KiB for SmolLM2 in bf16), or each layer's piece of it (``--unit layer``,
+for contrast). Reports:
+
+- ``ratio``: stored bytes / logical bytes, summed over all blocks (lower is better;
+  the stored bytes include blosc2's chunk header);
+- ``comp GB/s`` and ``decomp GB/s``: logical bytes / seconds on one thread
+  (``nthreads=1`` for both), best of ``--repeats`` passes over all blocks; decompression
+  goes into a preallocated array with a slot per block (``decompress2(src,
+  dst=slot)``), every block is checked against its original once;
+- ``memcpy``: numpy ``copyto`` of the same blocks into the same kind of preallocated
+  array, in the same run: the ceiling.
+
+typesize is the cache's element size (2 for bf16, 1 for fp8). Settings: LZ4 (clevel 1,
+5, 9), LZ4HC (1, 5, 9), ZSTD (1, 3, 5), BLOSCLZ (5, 9), each with NOFILTER, SHUFFLE,
+BITSHUFFLE and SHUFFLE+BYTEDELTA (``--quick`` for a smaller set)::
+
+    .venv/bin/python scripts/bench_codecs.py --json out/bench_codecs.json
+    .venv/bin/python scripts/bench_codecs.py --capture smollm2-bf16 --unit layer --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import blosc2
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+CAPTURES = REPO / "out" / "kv_capture"
+
+C = blosc2.Codec
+F = blosc2.Filter
+LEVELS: dict[blosc2.Codec, tuple[int, ...]] = {
+    C.LZ4: (1, 5, 9),
+    C.LZ4HC: (1, 5, 9),
+    C.ZSTD: (1, 3, 5),
+    C.BLOSCLZ: (5, 9),
+}
+QUICK_LEVELS: dict[blosc2.Codec, tuple[int, ...]] = {
+    C.LZ4: (1, 5, 9),
+    C.ZSTD: (1, 3),
+}
+FILTERS: dict[str, tuple[blosc2.Filter, ...]] = {
+    "nofilter": (F.NOFILTER,),
+    "shuffle": (F.SHUFFLE,),
+    "bitshuffle": (F.BITSHUFFLE,),
+    "shuffle+bytedelta": (F.SHUFFLE, F.BYTEDELTA),
+}
+QUICK_FILTERS = ("shuffle", "bitshuffle")
+
+
+@dataclass
+class Capture:
+    name: str
+    blocks: np.ndarray  # uint8 [n, bytes_per_block]
+    meta: dict[str, Any]
+
+
+def load(path: Path) -> Capture:
+    z = np.load(path)
+    meta = json.loads(str(z["meta"]))
+    return Capture(meta["name"], np.ascontiguousarray(z["blocks"]), meta)
+
+
+def units(cap: Capture, unit: str) -> np.ndarray:
+    """The blocks as the units compressed one call each: ``[n_units, unit_bytes]``."""
+    if unit == "block":
+        return cap.blocks
+    layers = cap.meta["layers"]
+    return cap.blocks.reshape(cap.blocks.shape[0] * layers, -1)
+
+
+def memcpy_gbs(src: np.ndarray, repeats: int) -> float:
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # first touch
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for i in range(src.shape[0]):
+            np.copyto(dst[i], src[i])
+        best = min(best, time.perf_counter() - t0)
+    return src.nbytes / best / 1e9
+
+
+def bench_setting(
+    src: np.ndarray,
+    codec: blosc2.Codec,
+    clevel: int,
+    filters: tuple[blosc2.Filter, ...],
+    typesize: int,
+    repeats: int,
+) -> dict[str, Any]:
+    cparams = blosc2.CParams(
+        codec=codec,
+        clevel=clevel,
+        typesize=typesize,
+        nthreads=1,
+        filters=list(filters),
+        filters_meta=[0] * len(filters),
+    )
+    dparams = blosc2.DParams(nthreads=1)
+    n = src.shape[0]
+    best_c = float("inf")
+    packed: list[bytes] = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        packed = [blosc2.compress2(src[i], cparams=cparams) for i in range(n)]
+        best_c = min(best_c, time.perf_counter() - t0)
+    stored = sum(len(p) for p in packed)
+    dst = np.empty_like(src)
+    best_d = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for i in range(n):
+            blosc2.decompress2(packed[i], dst=dst[i], dparams=dparams)
+        best_d = min(best_d, time.perf_counter() - t0)
+    if not np.array_equal(dst, src):
+        raise AssertionError(f"{codec.name} clevel {clevel} {filters}: round trip differs")
+    return {
+        "ratio": stored / src.nbytes,
+        "stored_bytes": stored,
+        "comp_gbs": src.nbytes / best_c / 1e9,
+        "decomp_gbs": src.nbytes / best_d / 1e9,
+    }
+
+
+def run(cap: Capture, unit: str, repeats: int, quick: bool) -> dict[str, Any]:
+    src = units(cap, unit)
+    typesize = int(cap.meta["element_size"])
+    levels = QUICK_LEVELS if quick else LEVELS
+    filters = {k: FILTERS[k] for k in QUICK_FILTERS} if quick else FILTERS
+    result: dict[str, Any] = {
+        "capture": cap.name,
+        "meta": {k: v for k, v in cap.meta.items() if k != "prompts"},
+        "unit": unit,
+        "units": int(src.shape[0]),
+        "unit_bytes": int(src.shape[1]),
+        "logical_bytes": int(src.nbytes),
+        "typesize": typesize,
+        "repeats": repeats,
+        "memcpy_gbs": memcpy_gbs(src, repeats),
+        "settings": [],
+    }
+    for codec, clevels in levels.items():
+        for clevel in clevels:
+            for fname, fs in filters.items():
+                row = {"codec": codec.name, "clevel": clevel, "filters": fname}
+                row |= bench_setting(src, codec, clevel, fs, typesize, repeats)
+                result["settings"].append(row)
+                print(
+                    f"  {cap.name:<22} {codec.name:<7} {clevel} {fname:<18} "
+                    f"ratio {row['ratio']:.3f}  comp {row['comp_gbs']:6.2f}  "
+                    f"decomp {row['decomp_gbs']:6.2f} GB/s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    return result
+
+
+def table(result: dict[str, Any]) -> str:
+    m = result["meta"]
+    head = (
+        f"## {result['capture']}: {m['cache_dtype']} cache {m['cache_shape']}, "
+        f"{m['layers']} layers, {result['units']} units of {result['unit_bytes']} B "
+        f"({result['unit']}), {result['logical_bytes'] / 1e6:.1f} MB, "
+        f"typesize {result['typesize']}; memcpy {result['memcpy_gbs']:.2f} GB/s\n"
+    )
+    lines = [
+        head,
+        "| codec | clevel | filters | ratio | saved | comp GB/s | decomp GB/s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in result["settings"]:
+        lines.append(
+            f"| {r['codec']} | {r['clevel']} | {r['filters']} | {r['ratio']:.3f} | "
+            f"{1 - r['ratio']:.1%} | {r['comp_gbs']:.2f} | {r['decomp_gbs']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dir", type=Path, default=CAPTURES, help="where the captures are")
+    ap.add_argument("--capture", action="append", help="capture name(s); default: all")
+    ap.add_argument("--unit", choices=("block", "layer"), default="block")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="fewer settings")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    args = ap.parse_args()
+    blosc2.set_nthreads(1)
+    paths = sorted(args.dir.glob("*.npz"))
+    if args.capture:
+        paths = [args.dir / f"{name}.npz" for name in args.capture]
+    if not paths:
+        print(f"no captures in {args.dir}: run scripts/capture_kv.py first", file=sys.stderr)
+        return 1
+    results = []
+    for path in paths:
+        result = run(load(path), args.unit, args.repeats, args.quick)
+        results.append(result)
+        print(table(result), flush=True)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        payload = {"blosc2": blosc2.__version__, "results": results}
+        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
