@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from kvoffload.backend import Backend, RecoveredBlock
-from kvoffload.codec import Packer, codec_named
+from kvoffload.codec import CodecStats, Packer, codec_named
 from kvoffload.config import LmdbTierConfig, TierConfig
 from kvoffload.dirlock import lock_tier_dir
 from kvoffload.exceptions import BackendError, BlockStateError, ConfigError, LayoutMismatchError
@@ -477,6 +477,13 @@ class LmdbBackend(Backend):
                 self._buffers.release(b)
         with self._maps_lock:
             self._stored[slots] = stored
+        self.count_stored(n * self.layout.bytes_per_block, sum(stored))
+
+    def io_counters(self) -> dict[str, int]:
+        return self.stored_counters()
+
+    def codec_stats(self) -> CodecStats:
+        return self.packer.stats()
 
     def _put_batch(
         self,

@@ -54,7 +54,7 @@ import numpy as np
 import torch
 
 from kvoffload.backend import Backend, RecoveredBlock
-from kvoffload.codec import Packer, codec_named
+from kvoffload.codec import CodecStats, Packer, codec_named
 from kvoffload.config import MmapTierConfig, TierConfig
 from kvoffload.dirlock import lock_tier_dir
 from kvoffload.exceptions import BackendError, ConfigError
@@ -448,6 +448,7 @@ class MmapBackend(Backend):
                     f, local = self._locate(slot)
                     f.headers[local] = np.zeros((), dtype=HEADER_DTYPE)
             raise BackendError(f"tier {self.name!r}: header write failed: {exc}") from exc
+        self.count_stored(n * self.payload_bytes, sum(stored))
 
     def read(self, slots: Sequence[int], keys: Sequence[BlockKey], dst: torch.Tensor) -> list[bool]:
         self.check_batch(slots, keys, dst)
@@ -543,6 +544,12 @@ class MmapBackend(Backend):
 
     def discard(self, slots: Sequence[int]) -> None:
         self._clear_headers(list(slots))
+
+    def io_counters(self) -> dict[str, int]:
+        return self.stored_counters()
+
+    def codec_stats(self) -> CodecStats:
+        return self.packer.stats()
 
     def footprint(self) -> tuple[int, int]:
         """Logical and stored payload bytes of the blocks the header tables describe

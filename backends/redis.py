@@ -69,7 +69,7 @@ from redis.retry import Retry
 from redis.utils import HIREDIS_AVAILABLE
 
 from kvoffload.backend import Backend
-from kvoffload.codec import Packer, codec_named
+from kvoffload.codec import CodecStats, Packer, codec_named
 from kvoffload.config import ByteSize, Compression, TierConfig, check_compression
 from kvoffload.exceptions import BackendError, ConfigError
 from kvoffload.hostcopy import Buffers
@@ -525,7 +525,14 @@ class RedisBackend(Backend):
     def io_counters(self) -> dict[str, int]:
         """The tier's ``round_trips`` (:attr:`round_trips`) and ``server_errors``
         (:attr:`failed_batches`), for the Offloader's stats; two reads, no I/O."""
-        return {"round_trips": self._tally.value, "server_errors": self.failed_batches}
+        return {
+            "round_trips": self._tally.value,
+            "server_errors": self.failed_batches,
+            **self.stored_counters(),
+        }
+
+    def codec_stats(self) -> CodecStats:
+        return self.packer.stats()
 
     def redis_key(self, key: bytes) -> bytes:
         """The server-side key of block ``key`` under this tier's prefix and layout."""
@@ -645,6 +652,9 @@ class RedisBackend(Backend):
             self._run("write", len(key_list), queue)
             with self._lock:
                 self._stored[list(slots)] = [v - HEADER_BYTES for v in lens]
+            self.count_stored(
+                len(lens) * self.layout.bytes_per_block, sum(lens) - len(lens) * HEADER_BYTES
+            )
         finally:
             self._buffers.release(held)
 

@@ -14,6 +14,7 @@ register under the ``kvoffload.backends`` entry-point group. The contract tests 
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from typing import ClassVar, final
 
 import torch
 
+from kvoffload.codec import CodecStats
 from kvoffload.config import TierConfig
 from kvoffload.exceptions import ConfigError, LayoutMismatchError
 from kvoffload.keys import BlockKey
@@ -63,6 +65,21 @@ class Backend(ABC):
                 f"{self.slot_bytes(layout)} bytes; raise tiers[].capacity to at least that"
             )
         self.slots = SlotAllocator(num_slots)
+        self._packed_lock = threading.Lock()
+        self._packed = [0, 0]  # logical, stored bytes of the blocks written so far
+
+    def count_stored(self, logical: int, stored: int) -> None:
+        """Count a completed write of ``logical`` bytes that took ``stored`` bytes,
+        for a backend that may compress (:meth:`stored_counters`). Thread-safe."""
+        with self._packed_lock:
+            self._packed[0] += logical
+            self._packed[1] += stored
+
+    def stored_counters(self) -> dict[str, int]:
+        """``logical_bytes`` and ``stored_bytes`` counted by :meth:`count_stored`, for a
+        compressing backend's :meth:`io_counters`."""
+        with self._packed_lock:
+            return {"logical_bytes": self._packed[0], "stored_bytes": self._packed[1]}
 
     # -- capacity and slots (shared) ----------------------------------------------
     @classmethod
@@ -81,6 +98,11 @@ class Backend(ABC):
     @property
     def capacity_bytes(self) -> int:
         return self.num_slots * self.slot_bytes(self.layout)
+
+    def codec_stats(self) -> CodecStats | None:
+        """What this tier's codec did so far (its ``compression`` setting); ``None``
+        for a backend that never compresses."""
+        return None
 
     def footprint(self) -> tuple[int, int] | None:
         """``(logical_bytes, stored_bytes)``: payload bytes of the blocks this tier
@@ -163,7 +185,9 @@ class Backend(ABC):
         with ``source="backend"`` (``round_trips``, ``server_errors``); other names are
         ignored. The Offloader copies them into the tier's stats each time those are
         read (every stats poll, under the books' lock), so this must be a few attribute
-        reads: no I/O, no lock held for long. Default: none (they read 0)."""
+        reads: no I/O, no lock held for long. Default: none (they read 0, but for
+        ``logical_bytes`` and ``stored_bytes``, which then both read the books'
+        ``bytes_written``: a backend that does not say it compresses stores raw)."""
         return {}
 
     def check(self) -> list[str]:

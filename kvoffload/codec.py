@@ -26,6 +26,8 @@ codec never costs a tier capacity or a copy on load.
 from __future__ import annotations
 
 import importlib
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -95,6 +97,31 @@ def require_blosc2(where: str, name: str) -> None:
         )
 
 
+@dataclass(frozen=True)
+class CodecStats:
+    """What one tier's codec did so far: its name, and the logical bytes it compressed
+    and decompressed with the seconds each took, summed over threads (so the GB/s
+    are per thread: a tier's lanes run several at once)."""
+
+    codec: str
+    compressed_bytes: int = 0
+    compress_seconds: float = 0.0
+    decompressed_bytes: int = 0
+    decompress_seconds: float = 0.0
+
+    @property
+    def compress_gbps(self) -> float | None:
+        if not self.compress_seconds:
+            return None
+        return self.compressed_bytes / self.compress_seconds / 1e9
+
+    @property
+    def decompress_gbps(self) -> float | None:
+        if not self.decompress_seconds:
+            return None
+        return self.decompressed_bytes / self.decompress_seconds / 1e9
+
+
 class Packer:
     """Compresses and decompresses one tier's payloads; safe to share among threads
     (every call builds its own c-blosc2 context, and each runs on one thread: the
@@ -105,6 +132,8 @@ class Packer:
         self.typesize = max(1, typesize)
         self._b2 = None if codec.is_none else blosc2_module()
         self._cparams: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._totals = [0, 0.0, 0, 0.0]  # compressed bytes, s, decompressed bytes, s
         if self._b2 is not None:
             b2 = self._b2
             self._cparams = {
@@ -121,8 +150,14 @@ class Packer:
         stores raw bytes): the caller then stores it as it is."""
         if self._b2 is None:
             return None
+        size = len(memoryview(payload).cast("B"))
+        began = time.perf_counter()
         out: bytes = self._b2.compress2(payload, **self._cparams)
-        return out if len(out) < len(memoryview(payload).cast("B")) else None
+        took = time.perf_counter() - began
+        with self._lock:
+            self._totals[0] += size
+            self._totals[1] += took
+        return out if len(out) < size else None
 
     def decompress_into(self, stored: Any, dst: np.ndarray[Any, Any]) -> bool:
         """Decompress a verified chunk into ``dst`` (a contiguous ``uint8`` row).
@@ -135,10 +170,30 @@ class Packer:
             nbytes, cbytes, _ = b2.get_cbuffer_sizes(stored)
             if nbytes != dst.nbytes or cbytes != len(memoryview(stored).cast("B")):
                 return False
+            began = time.perf_counter()
             b2.decompress2(stored, dst=dst)
+            took = time.perf_counter() - began
         except Exception:  # a malformed chunk: a miss, never an exception
             return False
+        with self._lock:
+            self._totals[2] += dst.nbytes
+            self._totals[3] += took
         return True
 
+    def stats(self) -> CodecStats:
+        """A snapshot of what this packer did (see :class:`CodecStats`)."""
+        with self._lock:
+            c, cs, d, ds = self._totals
+        return CodecStats(self.codec.name, int(c), float(cs), int(d), float(ds))
 
-__all__ = ["BY_ID", "CODECS", "NONE_ID", "Codec", "Packer", "codec_named", "require_blosc2"]
+
+__all__ = [
+    "BY_ID",
+    "CODECS",
+    "NONE_ID",
+    "Codec",
+    "CodecStats",
+    "Packer",
+    "codec_named",
+    "require_blosc2",
+]

@@ -446,6 +446,11 @@ class StressConfig(BaseModel):
     """Most blocks a shared prefix has; each request reuses a random leading part."""
     suffix_blocks: int = Field(default=4, ge=0)
     """Blocks unique to each request, after its shared prefix."""
+    data: Literal["random", "kv"] = "random"
+    """Block contents (``--data``): ``random`` bytes, which no codec shrinks (a
+    compressed tier's worst case), or ``kv``: normal values in the layout's dtype,
+    which a byte-shuffling codec shrinks about as much as a real cache's (real KV's
+    ratios: docs/benchmarks.md, "Compression")."""
     workload: Literal["zipf", "multiturn", "scan", "trace"] = "zipf"
     """Request stream (``--workload``): ``zipf`` shared prefixes, ``multiturn`` chat
     sessions growing turn by turn, ``scan`` no reuse at all (the worst case), ``trace``

@@ -118,6 +118,18 @@ class TierCounters:
         "Bytes read from this tier: loads, and blocks read to be copied into the next tier.",
         unit="bytes",
     )
+    logical_bytes: int = _count(
+        "Payload bytes of the blocks this tier stored, as the engine gave them: the "
+        "denominator of its compression ratio.",
+        unit="bytes",
+        source="backend",
+    )
+    stored_bytes: int = _count(
+        "The same blocks' payload bytes as the tier stored them: less than logical_bytes "
+        "where it compresses (its compression setting), equal where it stores raw bytes.",
+        unit="bytes",
+        source="backend",
+    )
     write_seconds: float = _seconds("Seconds spent writing this tier (throttling included).")
     read_seconds: float = _seconds("Seconds spent reading this tier.")
     evictions: int = _count("Blocks evicted from this tier to make room.", column="evicted")

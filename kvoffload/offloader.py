@@ -429,9 +429,14 @@ class Offloader:
         tier's stats (under the books' lock, so that two readers never write them out
         of order). One way only: the backend counts, the stats mirror it."""
         for tier, stats in zip(self.tiers, self._books.stats, strict=True):
-            for name, value in tier.backend.io_counters().items():
+            counts = tier.backend.io_counters()
+            for name, value in counts.items():
                 if name in BACKEND_METRICS:
                     setattr(stats, name, value)
+            if "stored_bytes" not in counts:
+                # A backend that never compresses (the cpu slab, most plugins) stores
+                # what it was given: both are the books' bytes_written.
+                stats.logical_bytes = stats.stored_bytes = stats.bytes_written
 
     def counters(self) -> tuple[dict[str, dict[str, int | float]], PrefetchStats]:
         """Every tier's counters (by tier name, see :func:`~kvoffload.metrics.tier_values`)

@@ -10,9 +10,11 @@ for contrast). Reports:
 - ``ratio``: stored bytes / logical bytes, summed over all blocks (lower is better;
   the stored bytes include blosc2's chunk header);
 - ``comp GB/s`` and ``decomp GB/s``: logical bytes / seconds on one thread
-  (``nthreads=1`` for both), best of ``--repeats`` passes over all blocks; decompression
-  goes into a preallocated array with a slot per block (``decompress2(src,
-  dst=slot)``), every block is checked against its original once;
+  (``nthreads=1`` for both), best of ``--repeats`` passes over ``--time-mb`` MB of
+  units spread evenly over the capture (the ratio is over all of them);
+  decompression goes into a preallocated array with a slot per unit
+  (``decompress2(src, dst=slot)``), and every unit is checked against its original
+  once;
 - ``memcpy``: numpy ``copyto`` of the same blocks into the same kind of preallocated
   array, in the same run: the ceiling.
 
@@ -82,7 +84,13 @@ def units(cap: Capture, unit: str) -> np.ndarray:
     return cap.blocks.reshape(cap.blocks.shape[0] * layers, -1)
 
 
+def spread(n: int, k: int) -> np.ndarray:
+    """``k`` unit indices spread evenly over ``n`` (every section of the text timed)."""
+    return np.unique(np.linspace(0, n - 1, k).round().astype(int))
+
+
 def memcpy_gbs(src: np.ndarray, repeats: int) -> float:
+    """numpy ``copyto`` of each unit into its own slot of a preallocated array."""
     dst = np.empty_like(src)
     np.copyto(dst, src)  # first touch
     best = float("inf")
@@ -96,12 +104,15 @@ def memcpy_gbs(src: np.ndarray, repeats: int) -> float:
 
 def bench_setting(
     src: np.ndarray,
+    timed: int,
     codec: blosc2.Codec,
     clevel: int,
     filters: tuple[blosc2.Filter, ...],
     typesize: int,
     repeats: int,
 ) -> dict[str, Any]:
+    """The ratio over every unit of ``src`` (each checked once after a round trip);
+    the speeds over its first ``timed`` units, best of ``repeats``."""
     cparams = blosc2.CParams(
         codec=codec,
         clevel=clevel,
@@ -111,36 +122,60 @@ def bench_setting(
         filters_meta=[0] * len(filters),
     )
     dparams = blosc2.DParams(nthreads=1)
-    n = src.shape[0]
-    best_c = float("inf")
-    packed: list[bytes] = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        packed = [blosc2.compress2(src[i], cparams=cparams) for i in range(n)]
-        best_c = min(best_c, time.perf_counter() - t0)
+    packed = [blosc2.compress2(unit, cparams=cparams) for unit in src]
     stored = sum(len(p) for p in packed)
     dst = np.empty_like(src)
-    best_d = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for i in range(n):
-            blosc2.decompress2(packed[i], dst=dst[i], dparams=dparams)
-        best_d = min(best_d, time.perf_counter() - t0)
+    for i, p in enumerate(packed):
+        blosc2.decompress2(p, dst=dst[i], dparams=dparams)
     if not np.array_equal(dst, src):
         raise AssertionError(f"{codec.name} clevel {clevel} {filters}: round trip differs")
+    picks = spread(src.shape[0], timed)
+    part = src[picks]
+    part_packed = [packed[i] for i in picks]
+    best_c = best_d = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for i in range(timed):
+            blosc2.compress2(part[i], cparams=cparams)
+        best_c = min(best_c, time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for i in range(timed):
+            blosc2.decompress2(part_packed[i], dst=dst[i], dparams=dparams)
+        best_d = min(best_d, time.perf_counter() - t0)
     return {
         "ratio": stored / src.nbytes,
         "stored_bytes": stored,
-        "comp_gbs": src.nbytes / best_c / 1e9,
-        "decomp_gbs": src.nbytes / best_d / 1e9,
+        "comp_gbs": part.nbytes / best_c / 1e9,
+        "decomp_gbs": part.nbytes / best_d / 1e9,
     }
 
 
-def run(cap: Capture, unit: str, repeats: int, quick: bool) -> dict[str, Any]:
+def settings(quick: bool, only: list[str] | None) -> list[tuple[blosc2.Codec, int, str]]:
+    """``(codec, clevel, filters name)`` to measure: ``only`` (``CODEC:CLEVEL:FILTERS``,
+    e.g. ``LZ4:1:shuffle``), else the full or the ``quick`` grid."""
+    if only:
+        out = []
+        for spec in only:
+            codec, clevel, fname = spec.split(":")
+            if fname not in FILTERS:
+                raise SystemExit(f"unknown filters {fname!r}: one of {list(FILTERS)}")
+            out.append((C[codec.upper()], int(clevel), fname))
+        return out
+    levels = QUICK_LEVELS if quick else LEVELS
+    fnames = QUICK_FILTERS if quick else tuple(FILTERS)
+    return [(c, lv, f) for c, lvs in levels.items() for lv in lvs for f in fnames]
+
+
+def run(
+    cap: Capture,
+    unit: str,
+    repeats: int,
+    time_bytes: int,
+    grid: list[tuple[blosc2.Codec, int, str]],
+) -> dict[str, Any]:
     src = units(cap, unit)
     typesize = int(cap.meta["element_size"])
-    levels = QUICK_LEVELS if quick else LEVELS
-    filters = {k: FILTERS[k] for k in QUICK_FILTERS} if quick else FILTERS
+    timed = max(1, min(src.shape[0], time_bytes // src.shape[1]))
     result: dict[str, Any] = {
         "capture": cap.name,
         "meta": {k: v for k, v in cap.meta.items() if k != "prompts"},
@@ -150,22 +185,24 @@ def run(cap: Capture, unit: str, repeats: int, quick: bool) -> dict[str, Any]:
         "logical_bytes": int(src.nbytes),
         "typesize": typesize,
         "repeats": repeats,
-        "memcpy_gbs": memcpy_gbs(src, repeats),
+        "timed_units": timed,
+        "memcpy_gbs": memcpy_gbs(src[spread(src.shape[0], timed)], repeats),
         "settings": [],
     }
-    for codec, clevels in levels.items():
-        for clevel in clevels:
-            for fname, fs in filters.items():
-                row = {"codec": codec.name, "clevel": clevel, "filters": fname}
-                row |= bench_setting(src, codec, clevel, fs, typesize, repeats)
-                result["settings"].append(row)
-                print(
-                    f"  {cap.name:<22} {codec.name:<7} {clevel} {fname:<18} "
-                    f"ratio {row['ratio']:.3f}  comp {row['comp_gbs']:6.2f}  "
-                    f"decomp {row['decomp_gbs']:6.2f} GB/s",
-                    file=sys.stderr,
-                    flush=True,
-                )
+    for codec, clevel, fname in grid:
+        row: dict[str, Any] = {"codec": codec.name, "clevel": clevel, "filters": fname}
+        row |= bench_setting(src, timed, codec, clevel, FILTERS[fname], typesize, repeats)
+        result["settings"].append(row)
+        print(
+            f"  {cap.name:<22} {codec.name:<7} {clevel} {fname:<18} "
+            f"ratio {row['ratio']:.3f}  comp {row['comp_gbs']:6.2f}  "
+            f"decomp {row['decomp_gbs']:6.2f} GB/s",
+            file=sys.stderr,
+            flush=True,
+        )
+    # Once more after the settings: the ceiling of the same run, as load changes.
+    last = memcpy_gbs(src[spread(src.shape[0], timed)], repeats)
+    result["memcpy_gbs"] = max(result["memcpy_gbs"], last)
     return result
 
 
@@ -175,7 +212,8 @@ def table(result: dict[str, Any]) -> str:
         f"## {result['capture']}: {m['cache_dtype']} cache {m['cache_shape']}, "
         f"{m['layers']} layers, {result['units']} units of {result['unit_bytes']} B "
         f"({result['unit']}), {result['logical_bytes'] / 1e6:.1f} MB, "
-        f"typesize {result['typesize']}; memcpy {result['memcpy_gbs']:.2f} GB/s\n"
+        f"typesize {result['typesize']}; timed: {result['timed_units']} units, "
+        f"best of {result['repeats']}; memcpy {result['memcpy_gbs']:.2f} GB/s\n"
     )
     lines = [
         head,
@@ -195,8 +233,12 @@ def main() -> int:
     ap.add_argument("--dir", type=Path, default=CAPTURES, help="where the captures are")
     ap.add_argument("--capture", action="append", help="capture name(s); default: all")
     ap.add_argument("--unit", choices=("block", "layer"), default="block")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument(
+        "--time-mb", type=float, default=32.0, help="MB of units timed (spread over the capture)"
+    )
     ap.add_argument("--quick", action="store_true", help="fewer settings")
+    ap.add_argument("--setting", action="append", help="CODEC:CLEVEL:FILTERS, e.g. LZ4:1:shuffle")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args()
     blosc2.set_nthreads(1)
@@ -208,7 +250,8 @@ def main() -> int:
         return 1
     results = []
     for path in paths:
-        result = run(load(path), args.unit, args.repeats, args.quick)
+        grid = settings(args.quick, args.setting)
+        result = run(load(path), args.unit, args.repeats, int(args.time_mb * 1e6), grid)
         results.append(result)
         print(table(result), flush=True)
     if args.json:

@@ -113,6 +113,8 @@ def test_stress_report_and_its_json_carry_every_counter() -> None:
         assert entry[name] == getattr(stats, name), name
     derived = {"write_gbps", "read_gbps", "store_p50_ms", "store_p99_ms"}
     derived |= {"load_p50_ms", "load_p99_ms"}
+    derived |= {"compression", "compression_ratio", "held_logical_bytes", "held_stored_bytes"}
+    derived |= {"compress_gbps", "decompress_gbps"}
     assert set(entry) == {*TIER_IDENTITY, *TIER_METRIC, *derived}
 
 

@@ -34,6 +34,7 @@ from kvoffload.exceptions import KVOffloadError
 from kvoffload.layout import DTYPE_NAMES
 from kvoffload.lookup import FP8_CACHES, HASH_ALGOS, Prompt
 from kvoffload.metrics import TIER_METRICS
+from kvoffload.sizes import format_size
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -104,6 +105,12 @@ def _parser() -> argparse.ArgumentParser:
         help="request stream (config: stress.workload)",
     )
     st.add_argument("--trace", type=_path, default=None, help="replay a JSONL trace (Mooncake)")
+    st.add_argument(
+        "--data",
+        choices=["random", "kv"],
+        default=None,
+        help="block contents: random bytes, or KV-like values a codec shrinks (stress.data)",
+    )
     st.add_argument(
         "--concurrency", type=int, default=None, help="requests in flight (stress.concurrency)"
     )
@@ -333,6 +340,9 @@ def _stress(args: argparse.Namespace) -> int:
         if args.trace is not None:
             overrides["trace"] = str(args.trace)
             flags.append(f"--trace {args.trace}")
+    if args.data is not None:
+        overrides["data"] = args.data
+        flags.append(f"--data {args.data}")
     if args.concurrency is not None:
         overrides["concurrency"] = args.concurrency
         flags.append(f"--concurrency {args.concurrency}")
@@ -818,6 +828,7 @@ def _print_report(console: Console, report: StressReport) -> None:
             f"{_ms(t.load_p50_ms, 3)}/{_ms(t.load_p99_ms, 3)}",
         )
     console.print(table)
+    _print_compression(console, report)
     summary = Table(title="kvoffload stress: summary", show_header=False)
     summary.add_column("metric")
     summary.add_column("value", justify="right")
@@ -850,6 +861,34 @@ def _print_report(console: Console, report: StressReport) -> None:
             summary.add_row(label, " / ".join(f"{r[key] / scale:.0f}" for r in picks))
     console.print(summary)
     console.print(f"integrity errors: {report.integrity_errors}")
+
+
+def _print_compression(console: Console, report: StressReport) -> None:
+    """The compressed tiers: what the run's writes took as stored, what each holds
+    at the end, and the codec's speed (per thread, logical bytes)."""
+    from rich.table import Table
+
+    packed = [t for t in report.tiers if t.compression != "none"]
+    if not packed:
+        return
+    table = Table(title="kvoffload stress: compression")
+    for col in ("tier", "codec", "stored / logical", "held", "compress GB/s", "decompress GB/s"):
+        table.add_column(col, justify="left" if col in ("tier", "codec") else "right")
+    for t in packed:
+        held = (
+            f"{format_size(t.held_stored_bytes)} of {format_size(t.held_logical_bytes)}"
+            if t.held_stored_bytes is not None and t.held_logical_bytes is not None
+            else "-"
+        )
+        table.add_row(
+            t.name,
+            t.compression,
+            "-" if t.compression_ratio is None else f"{t.compression_ratio:.3f}",
+            held,
+            "-" if t.compress_gbps is None else f"{t.compress_gbps:.2f}",
+            "-" if t.decompress_gbps is None else f"{t.decompress_gbps:.2f}",
+        )
+    console.print(table)
 
 
 def _print_replicas(console: Console, report: ReplicaSetReport) -> None:

@@ -34,10 +34,12 @@ from typing import Any, Final
 
 import torch
 
+from kvoffload.backend import Backend
 from kvoffload.blockpool import BlockPool
 from kvoffload.config import KVOffloadConfig, StressConfig, layout_from_config
 from kvoffload.exceptions import BlockStateError, ConfigError, KVOffloadError
 from kvoffload.keys import BlockKey
+from kvoffload.layout import dtype_from_name
 from kvoffload.metrics import TierCounters, tier_fields
 from kvoffload.offloader import LoadPlan, Offloader, TierStats
 from kvoffload.tools.workloads import ReplicaShare, Workload, make_workload
@@ -61,14 +63,25 @@ class BlockDataGenerator:
     bytes, and regenerating costs two slice copies, not a random-number pass.
     """
 
-    def __init__(self, bytes_per_block: int, seed: int) -> None:
+    def __init__(
+        self, bytes_per_block: int, seed: int, *, kind: str = "random", dtype: str = "bfloat16"
+    ) -> None:
         gen = torch.Generator().manual_seed(seed)
         self.nbytes = bytes_per_block
-        self.base = torch.randint(0, 256, (bytes_per_block,), dtype=torch.uint8, generator=gen)
+        self.step = 1
+        if kind == "kv":
+            # Normal values of the cache's dtype (see StressConfig.data); rotated by
+            # whole values, so each stays intact.
+            dt = dtype_from_name(dtype)
+            self.step = torch.empty(0, dtype=dt).element_size()
+            values = torch.randn(bytes_per_block // self.step, generator=gen) * 0.5
+            self.base = values.to(dt).view(torch.uint8).reshape(-1)
+        else:
+            self.base = torch.randint(0, 256, (bytes_per_block,), dtype=torch.uint8, generator=gen)
 
     def fill(self, key: BlockKey, row: torch.Tensor) -> None:
         """Write ``key``'s contents into ``row`` (``uint8 [bytes_per_block]``)."""
-        shift = int.from_bytes(key[:8], "little") % self.nbytes
+        shift = int.from_bytes(key[:8], "little") % (self.nbytes // self.step) * self.step
         row[: self.nbytes - shift].copy_(self.base[shift:])
         row[self.nbytes - shift :].copy_(self.base[:shift])
         stamp = min(len(key), self.nbytes)
@@ -136,11 +149,31 @@ class TierReport(TierCounters):
     load_p50_ms: float | None
     load_p99_ms: float | None
     """Submit-to-done time of loads whose slowest tier was this one."""
+    compression: str = "none"
+    """The tier's ``compression`` setting (``none`` for a tier without one)."""
+    compression_ratio: float | None = None
+    """``stored_bytes / logical_bytes`` of what the run wrote (1.0: stored raw)."""
+    held_logical_bytes: int | None = None
+    held_stored_bytes: int | None = None
+    """Payload bytes the tier holds at the end, as given and as stored (``None``: the
+    backend keeps no count)."""
+    compress_gbps: float | None = None
+    decompress_gbps: float | None = None
+    """The codec's speed per thread: logical bytes over the seconds it spent."""
 
     @classmethod
-    def from_stats(cls, s: TierStats, seconds: float) -> TierReport:
-        """The report of a tier's counters over a run of ``seconds``."""
+    def from_stats(cls, s: TierStats, seconds: float, backend: Backend | None = None) -> TierReport:
+        """The report of a tier's counters over a run of ``seconds``, with what its
+        ``backend`` says of its compression and footprint."""
+        codec = None if backend is None else backend.codec_stats()
+        held = None if backend is None else backend.footprint()
         return cls(
+            compression="none" if codec is None else codec.codec,
+            compression_ratio=s.stored_bytes / s.logical_bytes if s.logical_bytes else None,
+            held_logical_bytes=None if held is None else held[0],
+            held_stored_bytes=None if held is None else held[1],
+            compress_gbps=None if codec is None else codec.compress_gbps,
+            decompress_gbps=None if codec is None else codec.decompress_gbps,
             **tier_fields(s),
             write_gbps=s.bytes_written / seconds / 1e9 if seconds else 0.0,
             read_gbps=s.bytes_read / seconds / 1e9 if seconds else 0.0,
@@ -274,7 +307,9 @@ class StressRunner:
                 f"longest request of {n} blocks; set stress.pool_blocks >= {n}"
             )
         self.pool = BlockPool.allocate(self.layout, self.cfg.pool_blocks)
-        self.gen = BlockDataGenerator(self.layout.bytes_per_block, DATA_SEED)
+        self.gen = BlockDataGenerator(
+            self.layout.bytes_per_block, DATA_SEED, kind=self.cfg.data, dtype=self.layout.dtype
+        )
         self.offloader = Offloader(config, self.layout, self.pool)
         self.tiers = self.offloader.tiers
         self.staging = self.pool.new_staging(n)
@@ -348,7 +383,10 @@ class StressRunner:
         problems = off.check()
         if problems:
             raise BlockStateError(f"tiers inconsistent after stress: {problems}")
-        rep.tiers = [TierReport.from_stats(s, rep.duration_s) for s in off.stats]
+        rep.tiers = [
+            TierReport.from_stats(s, rep.duration_s, tier.backend)
+            for s, tier in zip(off.stats, off.tiers, strict=True)
+        ]
         rep.submit_p50_ms = percentile_ms(self._submit_s, 50)
         rep.submit_p99_ms = percentile_ms(self._submit_s, 99)
         rep.submit_max_ms = max(self._submit_s) * 1e3 if self._submit_s else None
