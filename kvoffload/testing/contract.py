@@ -27,6 +27,7 @@ from kvoffload.exceptions import BlockStateError, LayoutMismatchError
 from kvoffload.keys import BlockKey, namespaced
 from kvoffload.layout import KVLayout
 from kvoffload.registry import get_backend_class
+from kvoffload.tools.stress import kv_like
 
 BackendFactory: TypeAlias = Callable[[KVLayout, int], Backend]
 
@@ -59,16 +60,6 @@ def make_backend(
 
 def _keys(n: int, salt: int = 0) -> list[BlockKey]:
     return [namespaced(b"contract-%d" % salt, i.to_bytes(4, "little")) for i in range(n)]
-
-
-def kv_like(layout: KVLayout, n: int, seed: int) -> torch.Tensor:
-    """``n`` blocks of small normal values in the layout's dtype, as bytes: like a KV
-    cache in that a byte-shuffling codec shrinks them (their high bytes repeat), so a
-    compressing tier really compresses them."""
-    gen = torch.Generator().manual_seed(seed)
-    count = layout.bytes_per_block // layout.itemsize
-    values = torch.randn((n, count), generator=gen) * 0.5
-    return values.to(layout.torch_dtype).view(torch.uint8).reshape(n, layout.bytes_per_block)
 
 
 def _payload(layout: KVLayout, n: int, seed: int) -> torch.Tensor:

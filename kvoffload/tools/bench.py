@@ -61,6 +61,7 @@ from typing import Any, Final
 import torch
 
 from kvoffload.blockpool import byte_view, page_aligned_empty
+from kvoffload.codec import CodecStats
 from kvoffload.config import KVOffloadConfig, TierConfig
 from kvoffload.keys import BlockKey, chain_key
 from kvoffload.registry import get_backend_class
@@ -68,6 +69,7 @@ from kvoffload.tools.bench_chain import bench_chain
 from kvoffload.tools.bench_cpu import bench_cpu
 from kvoffload.tools.bench_manager import DEFAULT_CAPACITY, DEFAULT_TRACE, bench_manager
 from kvoffload.tools.bench_raw import drop_page_cache, gbps, layout_of_size, raw_best
+from kvoffload.tools.stress import kv_like
 
 logger = logging.getLogger(__name__)
 
@@ -124,8 +126,10 @@ def bench_tier(
     total_bytes: int,
     batch_bytes: int = BATCH_BYTES,
     reps: int = 3,
+    data_kind: str = "random",
 ) -> dict[str, Any]:
-    """Store and load throughput of one backend at one block size."""
+    """Store and load throughput of one backend at one block size, over random bytes
+    or (``data_kind="kv"``) KV-like values that a compressing tier shrinks."""
     cls = get_backend_class(tier.backend)
     layout = layout_of_size(block_bytes)
     base = Path(getattr(tier, "path", ".")) / f"bench-{block_bytes}"
@@ -137,7 +141,10 @@ def bench_tier(
     gen = torch.Generator().manual_seed(block_bytes)
     # Page-aligned, like the staging buffers BlockPool hands out.
     data = page_aligned_empty(n, block_bytes)
-    data.copy_(torch.randint(0, 256, (n, block_bytes), dtype=torch.uint8, generator=gen))
+    if data_kind == "kv":
+        data.copy_(kv_like(layout, n, seed=block_bytes))
+    else:
+        data.copy_(torch.randint(0, 256, (n, block_bytes), dtype=torch.uint8, generator=gen))
     keys = [BlockKey(chain_key(b"bench", i.to_bytes(8, "little"))) for i in range(n)]
     per_batch = max(1, batch_bytes // block_bytes)
     out = page_aligned_empty(n, block_bytes)
@@ -148,6 +155,8 @@ def bench_tier(
     raw: list[dict[str, float]] = []
     vllm: list[dict[str, float | None]] = []
     dropped = True
+    footprint: tuple[int, int] | None = None
+    codec: CodecStats | None = None
     for _ in range(reps):
         backend = cls(cfg, layout)
         try:
@@ -158,6 +167,7 @@ def bench_tier(
                 hi = min(n, lo + per_batch)
                 backend.write(slots[lo:hi], keys[lo:hi], data[lo:hi])
             store_s.append(time.perf_counter() - start)
+            footprint = backend.footprint()
         finally:
             backend.close()
         # Loads as after a restart: closed, page cache dropped, reopened. A backend left
@@ -175,6 +185,7 @@ def bench_tier(
                 hi = min(n, lo + per_batch)
                 valid += backend.read(slots[lo:hi], keys[lo:hi], out[lo:hi])
             load_s.append(time.perf_counter() - start)
+            codec = backend.codec_stats()  # this rep's load: decompression only
         finally:
             backend.close()
         if not all(valid) or not torch.equal(out, data):
@@ -192,6 +203,10 @@ def bench_tier(
         "load_gbps": gbps(n * block_bytes, min(load_s)),
         "page_cache_dropped": dropped,
         "fsync": getattr(tier, "fsync", None),
+        "data": data_kind,
+        "compression": getattr(tier, "compression", "none"),
+        "compression_ratio": footprint[1] / footprint[0] if footprint and footprint[0] else None,
+        "decompress_gbps": codec.decompress_gbps if codec else None,
     }
     for key in ("raw_write_gbps", "raw_write_synced_gbps", "raw_read_gbps"):
         row[key] = max(r[key] for r in raw)
@@ -213,6 +228,7 @@ def run_bench(
     trace: str | PathLike[str] | None = None,
     manager_capacity: int = DEFAULT_CAPACITY,
     cpu_total_bytes: int = 256 * 1024 * 1024,
+    data_kind: str = "random",
 ) -> dict[str, Any]:
     """The manager and cpu parts, then (``disk``) every persistent tier at every block
     size and every redis tier against raw redis-py; the ``--json`` schema. ``trace``
@@ -228,7 +244,10 @@ def run_bench(
     if progress is not None:
         progress("cpu: gather / scatter vs a plain torch copy")
     report.update(bench_cpu(total_bytes=cpu_total_bytes, repeat=reps))
-    report["tiers"] = _disk_rows(config, sizes, total_bytes, reps, progress) if disk else []
+    report["data"] = data_kind
+    report["tiers"] = (
+        _disk_rows(config, sizes, total_bytes, reps, progress, data_kind) if disk else []
+    )
     report["redis"] = _redis_rows(config, sizes, total_bytes, reps, progress) if disk else []
     report.update(_chain_part(config, total_bytes, progress) if disk else _NO_CHAIN)
     return report
@@ -267,6 +286,7 @@ def _disk_rows(
     total_bytes: int,
     reps: int,
     progress: Callable[[str], None] | None,
+    data_kind: str = "random",
 ) -> list[dict[str, Any]]:
     rows = []
     for tier in config.resolved_tiers():
@@ -276,7 +296,7 @@ def _disk_rows(
         for size in sizes:
             if progress is not None:
                 progress(f"{tier.name} ({tier.backend}) at {size // 1024} KiB")
-            rows.append(bench_tier(tier, size, total_bytes, reps=reps))
+            rows.append(bench_tier(tier, size, total_bytes, reps=reps, data_kind=data_kind))
     for row in rows:
         row["store_vs_raw"] = row["store_gbps"] / row["raw_write_gbps"]
         row["store_vs_raw_synced"] = row["store_gbps"] / row["raw_write_synced_gbps"]

@@ -161,6 +161,12 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--trace", type=_path, default=None, help="JSONL trace (Mooncake) for the manager part"
     )
+    bench.add_argument(
+        "--data",
+        choices=["random", "kv"],
+        default="random",
+        help="block contents: random bytes, or KV-like values a compressing tier shrinks",
+    )
 
     snap = sub.add_parser("snapshot", help="export or import a tier as safetensors")
     snap_sub = snap.add_subparsers(dest="snapshot_command", required=True)
@@ -475,6 +481,12 @@ def _maintenance(args: argparse.Namespace) -> int:
                     f" {info['bytes']} bytes, {info['used']:.1%} of {info['capacity_blocks']}"
                     f" slots, oldest {_when(info['oldest'])}, newest {_when(info['newest'])}"
                 )
+                ratio = info.get("compression_ratio")
+                if info.get("compression", "none") != "none" or (ratio is not None and ratio < 1):
+                    extra += (
+                        f", stored {info['stored_bytes']} bytes ({ratio:.3f} of logical; "
+                        f"compression {info['compression']})"
+                    )
             print(f"{name} ({info['backend']}): {info['blocks']} blocks{extra}")
         _dump(args.json, report)
         return EXIT_OK
@@ -547,6 +559,7 @@ def _bench(args: argparse.Namespace) -> int:
         progress=lambda m: print(f"bench: {m}", flush=True),
         disk=not args.skip_disk,
         trace=args.trace,
+        data_kind=args.data,
     )
     print(
         f"manager: {_f(report['manager_ns_per_block'])} ns/block, vLLM LRU "
@@ -570,6 +583,12 @@ def _bench(args: argparse.Namespace) -> int:
             f"{_f(r['store_vs_vllm_fs'])} {r['load_gbps']:>6.2f} {r['raw_read_gbps']:>6.2f} "
             f"{r['load_vs_raw']:>6.2f} {_f(r['vllm_fs_load_gbps'])} {_f(r['load_vs_vllm_fs'])}"
         )
+        if r["compression"] != "none":
+            print(
+                f"{'':<10} {'':>7} {r['compression']}: stored {_f(r['compression_ratio'])} of "
+                f"logical ({r['data']} data), decompress {_f(r['decompress_gbps'])} GB/s "
+                "per thread"
+            )
     if report["redis"]:
         print(
             f"{'tier':<10} {'block':>7} {'op':>5} {'tier':>6} {'raw':>6} {'x raw':>6} "

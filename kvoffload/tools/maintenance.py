@@ -147,6 +147,7 @@ def inspect_tiers(config: KVOffloadConfig) -> dict[str, dict[str, Any]]:
         with _open(tier, layout) as backend:
             blocks = backend.recover()
             atimes = [b.atime for b in blocks]
+            logical, stored = backend.footprint() or (len(blocks) * layout.bytes_per_block,) * 2
             report[tier.name] = {
                 "backend": tier.backend,
                 "persistent": True,
@@ -156,6 +157,13 @@ def inspect_tiers(config: KVOffloadConfig) -> dict[str, dict[str, Any]]:
                 "capacity_blocks": backend.num_slots,
                 "capacity_bytes": backend.capacity_bytes,
                 "used": len(blocks) / backend.num_slots,
+                # What compression saves: payload bytes as they sit in the tier over
+                # the same blocks' bytes as the engine gave them (records written
+                # under any codec count, whatever the setting is now).
+                "compression": getattr(tier, "compression", "none"),
+                "logical_bytes": logical,
+                "stored_bytes": stored,
+                "compression_ratio": stored / logical if logical else None,
                 "oldest": min(atimes) if atimes else None,
                 "newest": max(atimes) if atimes else None,
                 "layout": layout.to_dict(),

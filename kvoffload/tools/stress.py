@@ -39,7 +39,7 @@ from kvoffload.blockpool import BlockPool
 from kvoffload.config import KVOffloadConfig, StressConfig, layout_from_config
 from kvoffload.exceptions import BlockStateError, ConfigError, KVOffloadError
 from kvoffload.keys import BlockKey
-from kvoffload.layout import dtype_from_name
+from kvoffload.layout import KVLayout, dtype_from_name
 from kvoffload.metrics import TierCounters, tier_fields
 from kvoffload.offloader import LoadPlan, Offloader, TierStats
 from kvoffload.tools.workloads import ReplicaShare, Workload, make_workload
@@ -53,6 +53,17 @@ DATA_SEED = 0x6B766F
 """Seed of the block contents. Fixed, not the workload's ``--seed``: a block's bytes
 are a function of its key alone, so a persistent tier filled by one run is valid data
 for the next, whatever its seed (a warm restart, not a false integrity error)."""
+
+
+def kv_like(layout: KVLayout, n: int, seed: int) -> torch.Tensor:
+    """``n`` blocks of small normal values in the layout's dtype, as ``uint8`` rows:
+    like a KV cache in that a byte-shuffling codec shrinks them (their high bytes
+    repeat), unlike random bytes, which no codec does. Real KV's ratios are in
+    docs/benchmarks.md ("Compression"); these come close for bf16."""
+    gen = torch.Generator().manual_seed(seed)
+    count = layout.bytes_per_block // layout.itemsize
+    values = torch.randn((n, count), generator=gen) * 0.5
+    return values.to(layout.torch_dtype).view(torch.uint8).reshape(n, layout.bytes_per_block)
 
 
 class BlockDataGenerator:
