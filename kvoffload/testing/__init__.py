@@ -13,8 +13,9 @@ Adopt the backend contract with a ten-line test file::
 Needs pytest (the ``dev`` extra).
 """
 
-from kvoffload.testing.contract import BackendContract, BackendFactory, kv_like, make_backend
+from kvoffload.testing.contract import BackendContract, BackendFactory, make_backend
 from kvoffload.testing.faults import Faults, FaultyBackend
+from kvoffload.tools.stress import kv_like
 
 __all__ = [
     "BackendContract",
