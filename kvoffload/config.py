@@ -147,7 +147,7 @@ class CPUTierConfig(TierConfig):
     """Page-lock the slab for fast DMA. ``null``: only when CUDA is available."""
 
 
-Compression = Literal["none", "lz4", "zstd", "lz4hc"]
+Compression = Literal["none", "lz4", "zstd"]
 """A tier's ``compression``: the names of :data:`kvoffload.codec.CODECS`."""
 
 
@@ -167,9 +167,9 @@ class DiskTierConfig(TierConfig):
     out would share it. Relative paths are taken from the current directory. One writer
     process per directory, and no tier's directory inside another's."""
     compression: Compression = "none"
-    """Lossless compression of each block as stored: ``none``, ``lz4`` (fastest),
-    ``zstd`` (smallest), ``lz4hc``; blosc2 with a byte shuffle by the cache dtype's
-    size (``pip install 'kvoffload[compress]'``). Checksums cover the stored bytes. A
+    """Lossless compression of each block as stored: ``none``, ``lz4`` (faster) or
+    ``zstd`` (smaller); blosc2 with a shuffle by the cache dtype's size
+    (``pip install 'kvoffload[compress]'``). Checksums cover the stored bytes. A
     block that does not shrink is stored raw. Changing it keeps the tier's blocks
     readable. On ``mmap`` a compressed block uses the front of its slot (less I/O, the
     same slot count); on ``lmdb`` it takes only its compressed size on disk."""
