@@ -147,16 +147,13 @@ class Packer:
                 "clevel": codec.clevel,
                 "typesize": self.typesize,
                 "nthreads": 1,
-                "filters": [
-                    getattr(
-                        b2.Filter,
-                        codec.filter_1byte
-                        if self.typesize == 1 and codec.filter_1byte
-                        else codec.filter,
-                    )
-                ],
+                "filters": [getattr(b2.Filter, self._filter_name())],
                 "filters_meta": [0],
             }
+
+    def _filter_name(self) -> str:
+        one_byte = self.typesize == 1 and self.codec.filter_1byte
+        return self.codec.filter_1byte if one_byte else self.codec.filter
 
     def compress(self, payload: Any) -> bytes | None:
         """``payload`` compressed, or ``None`` when it does not shrink (or the tier
