@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from kvoffload.backend import Backend, RecoveredBlock
-from kvoffload.codec import CodecStats, Packer, codec_named
+from kvoffload.codec import CodecStats, Packer, codec_named, parallel_map
 from kvoffload.config import LmdbTierConfig, TierConfig
 from kvoffload.dirlock import lock_tier_dir
 from kvoffload.exceptions import BackendError, BlockStateError, ConfigError, LayoutMismatchError
@@ -555,6 +555,7 @@ class LmdbBackend(Backend):
         out = dst if direct else torch.empty(dst.shape, dtype=torch.uint8)
         rows = out.numpy()
         valid: list[bool] = []
+        packed: list[tuple[int, bytes, bytes, int, int]] = []  # i, key, stored, codec, sum
         try:
             # buffers=True: values are views of the map, valid only inside the
             # transaction, and copied straight into ``out`` (one copy).
@@ -574,9 +575,11 @@ class LmdbBackend(Backend):
                         # lost its lock-table slot was reused meanwhile (see fork). A
                         # raw payload is copied into its row; a compressed one into a
                         # private buffer, checked, then decompressed into the row.
-                        stored = payload if codec == 0 else bytes(payload)
-                        if not restore(stored, codec, int(rec["checksum"]), rows[i], self.packer):
-                            problem = "payload checksum mismatch or undecodable"
+                        want = int(rec["checksum"])
+                        if codec != 0:  # checked and decompressed after, in parallel
+                            packed.append((i, key, bytes(payload), codec, want))
+                        elif not restore(payload, codec, want, rows[i], self.packer):
+                            problem = "payload checksum mismatch"
                     if problem:
                         self._corrupt(key, problem)
                     valid.append(not problem)
@@ -587,6 +590,16 @@ class LmdbBackend(Backend):
             ) from exc
         except lmdb.Error as exc:
             raise BackendError(f"tier {self.name!r}: LMDB read failed: {exc}") from exc
+        if packed:
+
+            def unpack(item: tuple[int, bytes, bytes, int, int]) -> bool:
+                i, _, stored, codec, want = item
+                return restore(stored, codec, want, rows[i], self.packer)
+
+            for item, ok in zip(packed, parallel_map(unpack, packed), strict=True):
+                if not ok:
+                    self._corrupt(item[1], "payload checksum mismatch or undecodable")
+                    valid[item[0]] = False
         if out is not dst:
             dst.copy_(out)
         # The load time is not written back: LMDB values are not updated in place, so

@@ -47,7 +47,29 @@ from kvoffload.plans import (
 logger = logging.getLogger(__name__)
 
 HIT_COUNTS: Final = 1 << 20
-"""Keys whose load count the admission filter remembers (least recent forgotten)."""
+"""Most keys whose load count the admission filter remembers (least recent forgotten),
+whatever the tiers hold; the bound in force is usually :func:`hit_counts_bound`."""
+
+HIT_COUNTS_PER_BLOCK: Final = 4
+"""Load counts remembered per block the tiers can hold together (see
+:func:`hit_counts_bound`)."""
+
+HIT_COUNTS_MIN: Final = 4096
+"""Load counts remembered at least, however small the tiers."""
+
+
+def hit_counts_bound(capacities: Sequence[int]) -> int:
+    """How many keys the admission filter's load counts remember, for tiers holding
+    ``capacities`` blocks: :data:`HIT_COUNTS_PER_BLOCK` per block they hold together
+    (at least :data:`HIT_COUNTS_MIN`, at most :data:`HIT_COUNTS`).
+
+    A count matters only while its block is held somewhere or may soon be computed
+    again: beyond a few times what the whole hierarchy holds, the least recently loaded
+    keys are long gone from every tier. Every distinct block loaded adds an entry (~150
+    bytes with its key), so a flat 2^20 cap (~150 MiB) let a long run's memory grow
+    linearly for hours: about 2 MiB a minute under ``kvoffload stress``'s multi-turn
+    soak (tests/test_soak.py), whose tiers hold 320 blocks."""
+    return min(HIT_COUNTS, max(HIT_COUNTS_MIN, HIT_COUNTS_PER_BLOCK * sum(capacities)))
 
 
 class Books:
@@ -77,6 +99,8 @@ class Books:
         self._discard = discard
         self.lock = threading.Lock()
         self._hit_counts: OrderedDict[BlockKey, int] = OrderedDict()
+        # Bounded by what the tiers hold, not by a flat 2^20 (see hit_counts_bound).
+        self._hit_counts_cap = hit_counts_bound([m.capacity for m in self.managers])
         # Load counts serve only the admission filter: without one, nobody counts them.
         self._counting = any(c.admit_after_hits for c in self.configs)
         self._job_seconds = [0.0] * len(self.managers)  # moving average per store job
@@ -601,7 +625,7 @@ class Books:
         for key in loaded:
             counts[key] = counts.get(key, 0) + 1
             counts.move_to_end(key)
-        while len(counts) > HIT_COUNTS:
+        while len(counts) > self._hit_counts_cap:
             counts.popitem(last=False)
         orders: list[Copy] = []
         for t in range(1, len(self.managers)):
