@@ -81,7 +81,13 @@ class Buffers:
                     del self._free[i]
                     break
             else:
-                whole = page_aligned_empty(max(n, spare_rows), self.bpb, pin_memory=self.pin)
+                # Rows rounded up to a power of two: the pool then holds a few sizes
+                # that every later batch reuses. Sized to each batch, a workload whose
+                # batches grow (multi-turn chat) kept allocating buffers one size up,
+                # and its resident memory crept up for minutes after warm-up (the
+                # soak, 2026-11-26).
+                rows = 1 << (max(n, spare_rows) - 1).bit_length()
+                whole = page_aligned_empty(rows, self.bpb, pin_memory=self.pin)
             self._lent[whole.data_ptr()] = whole
         return whole[:n]
 

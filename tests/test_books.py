@@ -9,7 +9,7 @@ from typing import Any
 
 from support.blocks import make_keys
 
-from kvoffload.books import Books
+from kvoffload.books import HIT_COUNTS, HIT_COUNTS_MIN, Books, hit_counts_bound
 from kvoffload.config import load_config
 from kvoffload.keys import BlockKey
 from kvoffload.lru_manager import LRUOffloadingManager
@@ -136,6 +136,32 @@ def test_admission_copies_a_block_down_at_its_nth_load() -> None:
     _land(books, copy)
     assert books.pinned() == [0, 0]
     assert books.stats[0].hits == 6
+
+
+def test_the_admission_filter_remembers_a_bounded_number_of_load_counts() -> None:
+    """Every distinct block loaded adds a load count; past a few times what the tiers
+    hold, the least recently loaded are forgotten (a flat 2^20 cap let a soak's memory
+    grow for hours). Admission keeps working on the recent ones."""
+    books, _ = _books({"admit_after_hits": 1}, blocks=(8, 16))
+    bound = hit_counts_bound([8, 16])
+    assert bound == HIT_COUNTS_MIN
+    for batch in range(bound // 8 + 100):  # 800 more distinct keys than the bound
+        keys = make_keys(8, salt=batch)
+        _store(books, keys)
+        plan = books.plan_load(keys)
+        assert plan.hits == 8
+        orders = books.settle(LoadOutcome(plan, 0.0, valid=8))
+        (copy,) = orders  # loaded once: admitted to tier 1
+        assert copy.write.keys == keys
+        _land(books, copy)
+    assert len(books._hit_counts) == bound
+    assert books.pinned() == [0, 0]
+
+
+def test_the_load_count_bound_follows_the_tiers_capacity() -> None:
+    assert hit_counts_bound([8, 16]) == HIT_COUNTS_MIN
+    assert hit_counts_bound([10_000, 20_000]) == 4 * 30_000
+    assert hit_counts_bound([1 << 20, 1 << 30]) == HIT_COUNTS
 
 
 def test_a_full_queue_drops_the_store_and_says_so() -> None:

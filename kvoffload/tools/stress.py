@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -64,6 +65,29 @@ def kv_like(layout: KVLayout, n: int, seed: int) -> torch.Tensor:
     count = layout.bytes_per_block // layout.itemsize
     values = torch.randn((n, count), generator=gen) * 0.5
     return values.to(layout.torch_dtype).view(torch.uint8).reshape(n, layout.bytes_per_block)
+
+
+class Reservoir:
+    """A uniform random sample of at most ``size`` of the values added (Vitter's
+    algorithm R), and their exact maximum: percentiles over a whole run in bounded
+    memory. A list of every request's latency grew for as long as the run did."""
+
+    def __init__(self, size: int = 20_000, seed: int = 0) -> None:
+        self.size = size
+        self.seen = 0
+        self.values: list[float] = []
+        self.max: float | None = None
+        self._rng = random.Random(seed)
+
+    def add(self, value: float) -> None:
+        self.seen += 1
+        self.max = value if self.max is None else max(self.max, value)
+        if len(self.values) < self.size:
+            self.values.append(value)
+            return
+        j = self._rng.randrange(self.seen)
+        if j < self.size:
+            self.values[j] = value
 
 
 class BlockDataGenerator:
@@ -335,8 +359,8 @@ class StressRunner:
         )
         self._free = deque(range(self.cfg.pool_blocks))
         self._jobs: dict[int, tuple[str, _Request]] = {}
-        self._submit_s: list[float] = []
-        self._request_s: list[float] = []
+        self._submit_s = Reservoir(seed=self.seed)
+        self._request_s = Reservoir(seed=self.seed + 1)
 
     def close(self) -> None:
         self.offloader.close()
@@ -398,11 +422,12 @@ class StressRunner:
             TierReport.from_stats(s, rep.duration_s, tier.backend)
             for s, tier in zip(off.stats, off.tiers, strict=True)
         ]
-        rep.submit_p50_ms = percentile_ms(self._submit_s, 50)
-        rep.submit_p99_ms = percentile_ms(self._submit_s, 99)
-        rep.submit_max_ms = max(self._submit_s) * 1e3 if self._submit_s else None
-        rep.request_p50_ms = percentile_ms(self._request_s, 50)
-        rep.request_p99_ms = percentile_ms(self._request_s, 99)
+        rep.submit_p50_ms = percentile_ms(self._submit_s.values, 50)
+        rep.submit_p99_ms = percentile_ms(self._submit_s.values, 99)
+        submit_max = self._submit_s.max
+        rep.submit_max_ms = None if submit_max is None else submit_max * 1e3
+        rep.request_p50_ms = percentile_ms(self._request_s.values, 50)
+        rep.request_p99_ms = percentile_ms(self._request_s.values, 99)
         return rep
 
     # -- one request's steps -----------------------------------------------------------
@@ -415,7 +440,7 @@ class StressRunner:
         job = self.offloader.submit_load(plan, req.ids[: plan.hits]) if plan.hits else None
         if not plan.hits:
             self.offloader.cancel_load(plan)
-        self._submit_s.append(time.perf_counter() - t0)
+        self._submit_s.add(time.perf_counter() - t0)
         if job is None:
             return self._prefill_and_store(req, loaded=0)
         self._jobs[job] = ("load", req)
@@ -452,7 +477,7 @@ class StressRunner:
             self.pool.scatter(req.ids[loaded:], staging)
         t0 = time.perf_counter()
         job = self.offloader.submit_store(req.keys, req.ids)
-        self._submit_s.append(time.perf_counter() - t0)
+        self._submit_s.add(time.perf_counter() - t0)
         if job is None:
             self.report.stores_dropped += 1
             self._release(req)
@@ -462,7 +487,7 @@ class StressRunner:
 
     def _release(self, req: _Request) -> None:
         self._free.extend(req.ids)
-        self._request_s.append(time.perf_counter() - req.start)
+        self._request_s.add(time.perf_counter() - req.start)
         self.report.blocks_stored = self.offloader.stats[0].blocks_stored
 
     def _sample_resources(self, t: float) -> None:
