@@ -34,6 +34,7 @@ import sys
 import tempfile
 import threading
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -157,9 +158,17 @@ def _held_blocks(directory: Path, backend: str) -> int:
 
 
 # ----------------------------------------------------------------- corruption (issue)
-@pytest.mark.parametrize("backend", ["mmap", "lmdb"])
+@pytest.mark.parametrize(
+    ("backend", "compression"),
+    [("mmap", "none"), ("lmdb", "none"), ("mmap", "zstd"), ("lmdb", "lz4")],
+    ids=["mmap", "lmdb", "mmap-zstd", "lmdb-lz4"],
+)
 def test_corrupt_disk_tier_never_fails_a_request(
-    engines: EngineServer, tmp_path: Path, reference: list[list[int]], backend: str
+    engines: EngineServer,
+    tmp_path: Path,
+    reference: list[list[int]],
+    backend: str,
+    compression: str,
 ) -> None:
     """Fill a cpu -> disk (write_through) tier with one batch (and other prompts); then,
     for 5 seeds, damage a fresh copy of it (64 bytes flipped at random per file) and
@@ -168,15 +177,16 @@ def test_corrupt_disk_tier_never_fails_a_request(
     multi-process mode, the others single-process, so that their counters show the
     damage was met and intact blocks were still served, with no load error: damage is
     found before a hit is claimed). Every run: no failed request, outputs equal to
-    the reference."""
+    the reference. Compressed tiers too: a flip in a block's stored bytes must be
+    caught by its checksum before it is decompressed."""
     pristine = tmp_path / "pristine"
-    (fill,) = engines.results(
-        tmp_path,
-        kvoffload=connector_tiers(backend, pristine),
-        rounds=[BATCH, FILLER],
-    )
+    tiers = partial(connector_tiers, backend, compression=compression)
+    (fill,) = engines.results(tmp_path, kvoffload=tiers(pristine), rounds=[BATCH, FILLER])
     assert outputs(fill) == reference
     assert _held_blocks(pristine, backend) == BATCH_BLOCKS + FILLER_BLOCKS
+    written = fill["kvoffload"]
+    if compression != "none":  # the blocks really are compressed on disk
+        assert 0 < written["tier.disk.stored_bytes"] < written["tier.disk.logical_bytes"]
 
     seeds = range(5)
     runs: dict[str, list[Path]] = {"fail": [], "recompute": []}
@@ -192,7 +202,7 @@ def test_corrupt_disk_tier_never_fails_a_request(
     failing = engines.results(
         tmp_path,
         rounds=[BATCH],
-        engines=[{"kvoffload": connector_tiers(backend, d)} for d in runs["fail"]],
+        engines=[{"kvoffload": tiers(d)} for d in runs["fail"]],
     )  # no policy: vLLM's default, "fail"
     t1 = time.monotonic()
     default_mode = {"env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}}
@@ -201,7 +211,7 @@ def test_corrupt_disk_tier_never_fails_a_request(
         rounds=[BATCH],
         failure_policy="recompute",
         engines=[
-            {"kvoffload": connector_tiers(backend, d), **(default_mode if i == 0 else {})}
+            {"kvoffload": tiers(d), **(default_mode if i == 0 else {})}
             for i, d in enumerate(runs["recompute"])
         ],
     )
