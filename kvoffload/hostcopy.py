@@ -50,6 +50,22 @@ def page_aligned_empty(n: int, row_bytes: int, *, pin_memory: bool = False) -> t
     return raw[skip : skip + n * row_bytes].view(n, row_bytes)
 
 
+_pooled_lock = threading.Lock()
+_pooled = [0]
+
+
+def _count_pooled(nbytes: int) -> None:
+    with _pooled_lock:
+        _pooled[0] += nbytes
+
+
+def pooled_bytes() -> int:
+    """Bytes every :class:`Buffers` pool of this process holds (lent or kept): bounded
+    by each pool's ``keep_bytes`` plus what is lent at once, and resident."""
+    with _pooled_lock:
+        return _pooled[0]
+
+
 class Buffers:
     """Reusable page-aligned (optionally pinned) rows, so that a transfer or a pack
     does not pay page faults on fresh memory every time. Thread-safe.
@@ -88,6 +104,12 @@ class Buffers:
                 # soak, 2026-11-26).
                 rows = 1 << (max(n, spare_rows) - 1).bit_length()
                 whole = page_aligned_empty(rows, self.bpb, pin_memory=self.pin)
+                # Touched now, so that what the pool holds is resident from the
+                # start and :func:`pooled_bytes` is what it adds to the process's
+                # resident memory (a soak tells a pool's high-water mark from a leak
+                # by it); a memset of a buffer allocated once.
+                whole.zero_()
+                _count_pooled(whole.numel())
             self._lent[whole.data_ptr()] = whole
         return whole[:n]
 
@@ -98,6 +120,8 @@ class Buffers:
             if kept + whole.numel() <= self.keep_bytes:
                 self._free.append(whole)
                 self._free.sort(key=lambda b: b.shape[0])
+            else:
+                _count_pooled(-whole.numel())
 
 
 def byte_view(t: torch.Tensor) -> memoryview:

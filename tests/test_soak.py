@@ -17,6 +17,9 @@ from support.checkout import KVOFFLOAD
 
 SOAK_S = float(os.environ.get("SOAK_SECONDS", "180"))  # shorter for a quick look
 WARM_S = SOAK_S / 3
+POOL_BOUND = 512 * 1024**2 + 3 * 16 * 1024**2
+"""What the host buffer pools may hold: the data path's kept staging (its
+``Buffers.KEEP_BYTES``) and the LMDB tier's three pack chunks."""
 
 
 def soak_config(tmp: Path) -> dict[str, object]:
@@ -79,9 +82,17 @@ def test_three_minutes_of_stress_hold_memory_fds_and_threads_flat(tmp_path: Path
     warm = next(s for s in samples if s["t"] >= WARM_S)
     later = [s for s in samples if s["t"] > warm["t"]]
     assert later, "no sample after the first minute"
+    # The host buffer pools grow to a high-water mark whenever more jobs than ever
+    # run at once, which may first happen after the first minute (a step of 8-16 MiB
+    # at 77 s in one CI run): bounded by design, and resident from allocation, so
+    # they are taken out of the comparison and checked against their bound instead.
     for kind in ("rss_bytes", "rss_anon_bytes"):
-        peak = max(s[kind] for s in later)
-        assert peak <= warm[kind] * 1.05, f"{kind} grew from {warm[kind]} to {peak} after warm-up"
+        peak = max(s[kind] - s["pooled_bytes"] for s in later)
+        base = warm[kind] - warm["pooled_bytes"]
+        assert peak <= base * 1.05, (
+            f"{kind} less the pools grew from {base} to {peak} after warm-up"
+        )
+    assert max(s["pooled_bytes"] for s in samples) <= POOL_BOUND
     assert max(s["open_fds"] for s in later) <= warm["open_fds"] + 2
     assert max(s["threads"] for s in later) <= warm["threads"] + 2
     assert report["blocks_loaded"] > 0  # the tiers served hits throughout

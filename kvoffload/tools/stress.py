@@ -39,6 +39,7 @@ from kvoffload.backend import Backend
 from kvoffload.blockpool import BlockPool
 from kvoffload.config import KVOffloadConfig, StressConfig, layout_from_config
 from kvoffload.exceptions import BlockStateError, ConfigError, KVOffloadError
+from kvoffload.hostcopy import pooled_bytes
 from kvoffload.keys import BlockKey
 from kvoffload.layout import KVLayout, dtype_from_name
 from kvoffload.metrics import TierCounters, tier_fields
@@ -293,6 +294,10 @@ def process_resources() -> dict[str, int]:
         "locked_bytes": int(fields.get("VmLck", ["0"])[0]) * kib,
         "open_fds": fds,
         "threads": int(fields.get("Threads", ["0"])[0]),
+        # The host buffer pools (staging, pack buffers): bounded, resident, and
+        # allocated whenever a new peak of concurrent jobs needs one more; what a
+        # soak subtracts to see a leak rather than a pool's high-water mark.
+        "pooled_bytes": pooled_bytes(),
     }
 
 
