@@ -560,6 +560,13 @@ class KVOffloadConfig(BaseModel):
     Past it the question costs a miss (a lookup answers 0 tokens); the late answer is
     dropped. A worker answers in microseconds: only one stuck (a shared tier's server
     that hangs) ever takes this long."""
+    producer_wait_ms: float = Field(default=2_000.0, gt=0)
+    """A P/D decode engine's (vLLM ``kv_role: kv_consumer``) longest wait for a prefill
+    engine to store a prompt's whole loadable prefix, from the request's first lookup;
+    then it takes what is there and computes the rest. So a prompt no prefill engine
+    ever ran costs the decode engine this much. Its own setting: ``load_timeout_ms``
+    bounds the loads and prefetches themselves, which a short producer wait must not
+    cut short."""
     async_load_min_bytes: ByteSize = 8 * 1024**2
     """A hit of at least this many bytes (on one rank) loads in the background, as
     vLLM's asynchronous load: the request waits while the other requests' steps go

@@ -44,7 +44,8 @@ BAD_CONFIGS = [
             "colour",
             "unknown key",
             "allowed keys: version, tiers, eviction, prefetch_max_inflight, "
-            "load_timeout_ms, store_timeout_ms, books_timeout_ms, async_load_min_bytes, "
+            "load_timeout_ms, store_timeout_ms, books_timeout_ms, producer_wait_ms, "
+            "async_load_min_bytes, "
             "stress",
         ),
         id="unknown-top-level-key",

@@ -89,7 +89,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import torch
 from vllm.distributed.kv_events import KVCacheEvent
@@ -105,6 +105,7 @@ from .affinity import _rank_affinity as _rank_affinity
 from .affinity import rank_cpus
 from .config import (
     CONSUMER,
+    PRODUCER,
     SUPPORTED,
     _events_enabled,
     _per_rank,
@@ -145,6 +146,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+    from kvoffload.config import KVOffloadConfig
+
 logger = logging.getLogger(__name__)
 
 # What the single module ``kvoffload.connectors.vllm`` exported, plus the two halves.
@@ -171,6 +174,18 @@ __all__ = [
     "layout_from_vllm",
     "rank_cpus",
 ]
+
+
+LOCAL_DISKS: Final = frozenset({"mmap", "lmdb"})
+"""Backends whose blocks sit on this machine's disk (vLLM's ``disk`` hit source)."""
+
+
+def _lower_source(config: KVOffloadConfig) -> str:
+    """vLLM's hit source of the blocks a hit takes from below the cpu tier: ``disk``
+    when every lower tier is a local disk, else ``external_unspecified`` (vLLM's value
+    for a store it cannot place: a shared server, a plugin's backend)."""
+    lower = {tier.backend for tier in config.tiers[1:]}
+    return "disk" if lower <= LOCAL_DISKS else "external_unspecified"
 
 
 class TieredOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]  # vLLM: Any
@@ -248,7 +263,8 @@ class TieredOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
                 if self.replicated
                 else float(self.config.async_load_min_bytes),
                 role=self.kv_role,
-                producer_wait_s=self.config.load_timeout_ms / 1e3,
+                producer_wait_s=self.config.producer_wait_ms / 1e3,
+                lower_source=_lower_source(self.config),
             )
         else:
             self._worker = TieredOffloadWorker(
@@ -312,13 +328,15 @@ class TieredOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int
     ) -> dict[Any, int]:
-        """The tokens of this request's hit by the tier they came from: prefetched
-        from a disk tier (``disk``), or found in the cpu tier (``host``)."""
+        """The tokens of this request's hit by the tier they came from: found in the
+        cpu tier at its first mention (``host``), else brought up from a local disk
+        tier (``disk``) or a shared one (``external_unspecified``)."""
         return self._scheduler_side().hit_sources(request, num_external_tokens)
 
     def reset_cache(self) -> bool | None:
-        """``/reset_prefix_cache?reset_external=true``: drop every block the cpu tier
-        holds (persistent tiers keep theirs: see docs/vllm.md)."""
+        """``/reset_prefix_cache?reset_external=true``, and vLLM's cache clearing
+        around a weight update: no block stored before it is loaded again by this
+        engine, from any tier (a new reset generation in the keys: docs/vllm.md)."""
         return self._scheduler_side().reset_cache()
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -346,7 +364,16 @@ class TieredOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
         self._worker_side().wait_for_save(self._get_connector_metadata())
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        self._worker_side().handle_preemptions()
+        self._worker_side().handle_preemptions(kv_connector_metadata)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """Only a producer (a P/D prefill engine) hands off KV that must arrive: its
+        consumer waits for it. For ``kv_both`` the tiers are a best-effort cache (a
+        store lost to a preemption is a later miss), so vLLM need not drop a request's
+        in-flight output at a preemption under asynchronous scheduling (its default,
+        ``is_kv_producer``, is true for ``kv_both`` too)."""
+        return self.kv_role == PRODUCER
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._worker_side().get_finished(finished_req_ids)

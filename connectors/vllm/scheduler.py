@@ -13,6 +13,7 @@ metadata defined here and the books.
 from __future__ import annotations
 
 import logging
+import struct
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_events import KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from kvoffload.keys import BlockKey, key_from_hash
+from kvoffload.keys import BlockKey, key_from_hash, namespaced
 
 from .answers import Answers
 from .books import _RemoteBooks
@@ -39,9 +40,25 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+GENERATION_SPACE = b"kvoffload-reset-generation"
+"""The namespace of a reset's generation in the keys (:func:`generation_keys`)."""
+
 MAX_STEPS_IN_FLIGHT = 4
 """Steps scheduled and not yet done that the prefill timing tracks (vLLM's asynchronous
 scheduling keeps one ahead; more means a step's output never came back to us)."""
+
+
+def generation_keys(keys: list[BlockKey], generation: int) -> list[BlockKey]:
+    """``keys`` as the engine's ``generation``-th connector reset sees them: unchanged
+    before the first reset (the keys of every tier written before resets existed, and
+    of an engine never reset), else under a namespace of their own. A reset bumps the
+    generation, so no block stored before it is found again by this engine, on any
+    tier; engines (replicas, a P/D pair) share blocks while they have been reset as
+    many times (docs/vllm.md, "Weight updates")."""
+    if generation == 0:
+        return keys
+    space = GENERATION_SPACE + struct.pack("<Q", generation)
+    return [namespaced(k, space) for k in keys]
 
 
 @dataclass
@@ -90,6 +107,9 @@ class TieredOffloadMetadata(KVConnectorMetadata):  # type: ignore[misc]  # vLLM:
     prefill: tuple[int, float] | None = None
     """A recent step's tokens and seconds, scheduled to output in (a sample of the
     engine's prefill throughput, :mod:`.costs`), if there is one."""
+    preempted: set[str] = field(default_factory=set)
+    """Requests vLLM preempted for this step: their blocks may be reused by its
+    forward pass, so ``handle_preemptions`` waits for their stores to read them."""
 
 
 @dataclass
@@ -115,7 +135,14 @@ class _ReqState:
     that neither a plan nor a release has ended yet."""
     first_lookup: float | None = None
     """When this request was first looked up (``time.monotonic``): a consumer waits for
-    a producer's blocks from then, up to ``load_timeout_ms``."""
+    a producer's blocks from then, up to ``producer_wait_ms``."""
+    resident: int = 0
+    """Blocks of its prefix the cpu tier held at its first mention (from the worker,
+    at its load's plan): the rest of its hit came from the lower tiers."""
+    generation: int = 0
+    """The connector reset generation its KV is computed under (set at each lookup):
+    its blocks are stored under it, so a request whose KV predates a reset stores
+    where nothing after the reset looks."""
 
 
 class TieredOffloadScheduler:
@@ -138,6 +165,7 @@ class TieredOffloadScheduler:
         async_min_bytes: float = float("inf"),
         role: str = BOTH,
         producer_wait_s: float = 10.0,
+        lower_source: str = "disk",
     ) -> None:
         self.engine_id = engine_id
         if role not in ROLES:
@@ -148,9 +176,14 @@ class TieredOffloadScheduler:
         and stores nothing; ``kv_both`` does both and never waits."""
         self.loads = role != PRODUCER
         self.stores = role != CONSUMER
+        self.lower_source = lower_source
+        """vLLM's ``CacheHitSource`` value for a hit's blocks the cpu tier did not hold
+        at the request's first mention: ``disk`` when every lower tier is a local disk
+        (mmap, LMDB), else ``external_unspecified`` (a shared server such as Redis, or
+        a plugin's backend: a store the connector cannot place)."""
         self.producer_wait_s = producer_wait_s
         """A consumer's longest wait for a prompt's whole loadable prefix to reach the
-        tiers, from its first lookup (``load_timeout_ms``)."""
+        tiers, from its first lookup (``producer_wait_ms``)."""
         self.waited_out = 0
         """Consumer lookups that stopped waiting for a producer (``producer_wait_s``)
         and took a shorter hit."""
@@ -190,6 +223,8 @@ class TieredOffloadScheduler:
         """Steps scheduled whose output is not in yet: when, and their tokens."""
         self._sample: tuple[int, float] | None = None
         """The last step timed as a prefill sample, for the next step's metadata."""
+        self.generation = 0
+        """Connector resets so far (:meth:`reset_cache`): the keys' reset generation."""
 
     def _books(self) -> Answers | _RemoteBooks:
         """Where the scheduler side asks: the worker's state when it is in this
@@ -204,12 +239,22 @@ class TieredOffloadScheduler:
         self._remote = _RemoteBooks(self.engine_id, self.asked, self.books_timeout_s)
         return self._remote
 
-    def _keys(self, request: Request, n: int) -> list[BlockKey]:
-        """vLLM's block hashes as keys; each rank namespaces them (``_Shared.ns``)."""
-        return [
+    def _keys(self, request: Request, n: int, generation: int | None = None) -> list[BlockKey]:
+        """vLLM's block hashes as keys, under a reset generation (the current one
+        unless given: a store's is its request's); each rank namespaces them too
+        (``_Shared.ns``)."""
+        keys = [
             key_from_hash(bytes(h) if not isinstance(h, int) else h)
             for h in request.block_hashes[:n]
         ]
+        return generation_keys(keys, self.generation if generation is None else generation)
+
+    def _state(self, request: Request) -> _ReqState:
+        """The scheduler side's view of ``request``, made at its first mention."""
+        state = self._reqs.get(request.request_id)
+        if state is None:
+            state = self._reqs[request.request_id] = _ReqState(request, generation=self.generation)
+        return state
 
     def _event_blocks(self, request: Request, positions: Sequence[int]) -> EventBlocks | None:
         """What KV events need of ``request``'s blocks at ``positions``, sent along
@@ -230,7 +275,7 @@ class TieredOffloadScheduler:
         )
         if loadable <= 0:
             return
-        state = self._reqs.setdefault(request.request_id, _ReqState(request))
+        state = self._state(request)
         self._books().prefetch(request.request_id, self._keys(request, loadable))
         state.claimed = True
 
@@ -245,8 +290,14 @@ class TieredOffloadScheduler:
         loadable = (request.num_prompt_tokens - 1) // self.block_size
         loadable = min(loadable, len(request.block_hashes))
         start = num_computed_tokens // self.block_size
-        state = self._reqs.setdefault(request.request_id, _ReqState(request))
+        state = self._state(request)
         state.local_tokens = num_computed_tokens
+        if state.generation != self.generation:
+            # Looked up again after a connector reset (preempted, or still waiting):
+            # its KV is computed anew, under the new generation, and stored again.
+            state.generation = self.generation
+            state.stored_blocks = 0
+            state.stored_windows.clear()
         if loadable <= start:
             return 0, False
         if state.first_lookup is None:
@@ -267,7 +318,7 @@ class TieredOffloadScheduler:
             if self.waited_out == 1:
                 logger.info(
                     "kvoffload: kv_consumer: request %s found %d of its %d blocks after "
-                    "waiting %.0f ms (load_timeout_ms) for a producer; computing the rest",
+                    "waiting %.0f ms (producer_wait_ms) for a producer; computing the rest",
                     request.request_id,
                     hit,
                     loadable,
@@ -282,7 +333,7 @@ class TieredOffloadScheduler:
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        state = self._reqs.setdefault(request.request_id, _ReqState(request))
+        state = self._state(request)
         if num_external_tokens <= 0:
             if state.claimed:  # nothing to load: the claim's pins go
                 self._books().release(request.request_id)
@@ -295,8 +346,12 @@ class TieredOffloadScheduler:
         plan_id = self._next_plan
         self._next_plan += 1
         # The claim pinned blocks [0, hit); the engine loads [start, start + n).
-        self._books().plan(plan_id, request.request_id, start, n)
+        books = self._books()
+        books.plan(plan_id, request.request_id, start, n)
         state.claimed = False
+        # Taken now, not when vLLM asks for hit sources (only with stats on, and never
+        # for a resumed request): the worker's note would otherwise outlive the request.
+        state.resident = books.sources(request.request_id)
         resumed = request.request_id in self._preempted
         self._pending_loads.append(
             _Load(
@@ -326,7 +381,8 @@ class TieredOffloadScheduler:
         )
         self._pending_loads = []
         self._pending_stores = []
-        self._preempted.update(scheduler_output.preempted_req_ids or ())
+        meta.preempted = set(scheduler_output.preempted_req_ids or ())
+        self._preempted.update(meta.preempted)
         for new in scheduler_output.scheduled_new_reqs:
             state = self._reqs.get(new.req_id)
             if state is not None:
@@ -361,7 +417,7 @@ class TieredOffloadScheduler:
             full = min(done_tokens // self.block_size, len(req.block_hashes), held)
             if full > state.stored_blocks:
                 first = state.stored_blocks
-                keys = self._keys(req, full)[first:]
+                keys = self._keys(req, full, state.generation)[first:]
                 blocks = self._event_blocks(req, range(first, full))
                 for g in self._full:
                     ids = state.block_ids[g][first:full]
@@ -423,7 +479,7 @@ class TieredOffloadScheduler:
             ]
             if not todo:
                 continue
-            keys = self._keys(req, boundary)
+            keys = self._keys(req, boundary, state.generation)
             stores.append(
                 _Store(
                     req.request_id,
@@ -452,7 +508,7 @@ class TieredOffloadScheduler:
                 continue
             if pos < 0 or pos >= len(req.block_hashes) or (group, pos) in state.stored_windows:
                 continue
-            key = self._keys(req, pos + 1)[pos]
+            key = self._keys(req, pos + 1, state.generation)[pos]
             blocks = self._event_blocks(req, [pos])
             stores.append(_Store(req_id, [key], [block_id], blocks, group=group, fenced=True))
             state.stored_windows.add((group, pos))
@@ -484,21 +540,35 @@ class TieredOffloadScheduler:
 
     def hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
         """vLLM's per-source split of a hit: tokens whose blocks the cpu tier held at
-        the first lookup are ``host``, the rest were prefetched from a lower tier
-        (``disk``: a disk or shared tier)."""
+        the request's first mention (its prefetch on arrival, else its first lookup)
+        are ``host``, the rest were prefetched from a lower tier (:attr:`lower_source`)."""
         if num_external_tokens <= 0:
             return {}
         from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
         state = self._reqs.get(request.request_id)
         start = state.local_tokens // self.block_size if state is not None else 0
-        resident = self._books().sources(request.request_id)
+        resident = state.resident if state is not None else 0
         host = min(max(0, resident - start) * self.block_size, num_external_tokens)
-        split = {CacheHitSource.HOST: host, CacheHitSource.DISK: num_external_tokens - host}
+        lower = CacheHitSource(self.lower_source)
+        split = {CacheHitSource.HOST: host, lower: num_external_tokens - host}
         return {source: n for source, n in split.items() if n}
 
     def reset_cache(self) -> bool:
-        """Drop the cpu tier's unpinned blocks (persistent tiers keep theirs)."""
+        """vLLM resets its external caches (``reset_prefix_cache(reset_connector=
+        True)``: ``/reset_prefix_cache?reset_external=true``, and the cache clearing
+        around a weight update, ``pause_generation(clear_cache=True)``). The weights
+        may have changed under the same model id, so no block stored before this is
+        ever loaded again by this engine, from any tier: the reset generation in the
+        keys goes up (:func:`generation_keys`; a request computed before it stores
+        under its own, where nothing looks). The cpu tier's unpinned blocks, unreachable
+        now, are dropped to free its memory; the lower tiers' age out."""
+        self.generation += 1
+        logger.info(
+            "kvoffload: connector reset: generation %d; blocks stored before it are "
+            "never loaded again by this engine",
+            self.generation,
+        )
         self._books().reset()
         return True
 

@@ -65,9 +65,10 @@ class _Shared:
     holds: dict[str, dict[int, _GroupPlan]] = field(default_factory=dict)
     """Decided claims, by request id and group: pinned until planned or released."""
     resident: dict[str, int] = field(default_factory=dict)
-    """Per request waiting for its load: the blocks of its hit the cpu tier held when
-    it was first looked up (the rest came from lower tiers), for vLLM's per-source hit
-    counts."""
+    """Per request looked up and not yet planned or released: the blocks of its prefix
+    the cpu tier held at its first mention (the rest came from lower tiers), for vLLM's
+    per-source hit counts; the scheduler side takes it (``sources``) right after the
+    plan, whether or not vLLM asks for hit sources."""
     counters: dict[str, int | float] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
     server: _BooksServer | None = None
     costs: Costs | None = None
@@ -125,10 +126,7 @@ class _Shared:
             self._settled(req_id)
             return 0
         off = self.offloader
-        if req_id not in self.resident:
-            resident = off.resident(self.ns(keys, self.groups[0].index))
-            with self.lock:
-                self.resident[req_id] = resident
+        self._note_resident(req_id, keys)
         held: dict[int, _GroupPlan] = {}
         pending = False
         hit = len(keys)
@@ -181,6 +179,7 @@ class _Shared:
         prefetches, or finds them landed). A request that ends first releases them."""
         self.bump("prefetches_on_arrival")
         keys = self._worth(req_id, keys)
+        self._note_resident(req_id, keys)
         for group in self.groups:
             if group.window is not None:  # a window needs its boundary: at lookup
                 continue
@@ -188,6 +187,18 @@ class _Shared:
             if plan is not None:  # decided at once: nothing to bring up
                 self.offloader.unclaim(plan)
         return 0
+
+    def _note_resident(self, req_id: str, keys: list[BlockKey]) -> None:
+        """At ``req_id``'s first mention (its prefetch on arrival, else its first
+        lookup), how much of its prefix the cpu tier holds: the rest of a hit comes
+        from lower tiers (vLLM's hit sources), even once a prefetch brought it up."""
+        with self.lock:
+            known = req_id in self.resident
+        if known or not keys:
+            return
+        resident = self.offloader.resident(self.ns(keys, self.groups[0].index))
+        with self.lock:
+            self.resident.setdefault(req_id, resident)
 
     def _window_boundary(self, keys: list[BlockKey], hit: int, windowed: list[Group]) -> int:
         """The largest boundary up to ``hit`` where every windowed group holds its

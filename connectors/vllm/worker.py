@@ -251,7 +251,10 @@ class TieredOffloadWorker:
                 else:
                     background.jobs.add(job_id)
                     self._background[job_id] = background
-            if group_plans is None:
+            if not group_plans:
+                # Late, or planned with no claim held (``[]``): nothing was read for
+                # these blocks, so each is a load error, never data (a background
+                # load with no jobs fails whole below).
                 self._load_errors.update(b for ids in load.block_ids for b in ids if b)
             if background is not None and not background.jobs:
                 self._settle_background(shared, background)
@@ -486,27 +489,38 @@ class TieredOffloadWorker:
                 if fenced:
                     self._fences.append(gate)
 
-    def handle_preemptions(self) -> None:
-        """A preempted request's blocks are about to be reused: wait until the stores
-        in flight have read the engine's blocks (up to ``store_timeout_ms`` for one
-        that has not begun; it is abandoned then), not until they are written."""
+    def handle_preemptions(self, meta: KVConnectorMetadata | None = None) -> None:
+        """vLLM calls this every step, before the forward pass. The blocks this step
+        may overwrite while our stores still read them are the preempted requests'
+        (freed by the scheduler; ``meta.preempted``) and the fenced stores' (a window
+        leaving a sliding window, a Mamba state block): wait until those stores have
+        read the engine's blocks (up to ``store_timeout_ms`` for one that has not
+        begun; it is abandoned then), not until they are written. Every other store
+        reads blocks vLLM keeps for its request (running, or held by
+        ``request_finished`` until ``finished_sending``): not waited for, so a large
+        prefill's stores do not hold up the next step of every request."""
         shared = self._registered()
         if shared is None:
             return
+        self._wait_fences()
         self._finish_layer_loads(shared)
         self._collect(shared, shared.offloader.get_finished())
-        self._free_store_blocks(shared, wait=True)
+        preempted = meta.preempted if isinstance(meta, TieredOffloadMetadata) else None
+        self._free_store_blocks(shared, wait=False, wait_for=preempted or set())
 
-    def _free_store_blocks(self, shared: _Shared, *, wait: bool) -> None:
+    def _free_store_blocks(
+        self, shared: _Shared, *, wait: bool, wait_for: set[str] | frozenset[str] = frozenset()
+    ) -> None:
         """Let go of the stores that are done reading the engine's blocks. With
-        ``wait``, wait for all of them (a preemption); without, only abandon those not
-        begun by their deadline (a finished request's blocks are held meanwhile)."""
+        ``wait``, wait for all of them; else for those of the requests in ``wait_for``
+        (preempted), and only abandon the others not begun by their deadline (a
+        finished request's blocks are held meanwhile)."""
         now = time.monotonic()
         for job, (req_id, blocks, gate) in list(self._store_gates.items()):
             left = gate.since + self._store_timeout - now
             if gate.released():
                 abandoned = False
-            elif wait or left <= 0:
+            elif wait or left <= 0 or req_id in wait_for:
                 abandoned = gate.wait(left)
             else:
                 continue

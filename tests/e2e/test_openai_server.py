@@ -151,7 +151,13 @@ def start_server(tmp_path: Path) -> Iterator[Callable[[Path], Server]]:
     # The connector's Unix sockets go to $TMPDIR (a socket path has at most 107
     # bytes): a short directory of its own, removed afterwards.
     sockets = Path(tempfile.mkdtemp(prefix="kvo-"))
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "TMPDIR": str(sockets)}
+    # VLLM_SERVER_DEV_MODE: vLLM's /reset_prefix_cache endpoint.
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "TMPDIR": str(sockets),
+        "VLLM_SERVER_DEV_MODE": "1",
+    }
     started: list[Server] = []
 
     def start(config: Path) -> Server:
@@ -223,13 +229,13 @@ def start_server(tmp_path: Path) -> Iterator[Callable[[Path], Server]]:
 
 
 # --------------------------------------------------------------------------- client
-def _complete(server: Server) -> list[dict[str, Any]]:
+def _complete(server: Server, prompts: list[list[int]] = PROMPTS) -> list[dict[str, Any]]:
     """Each prompt in turn (one request each, so each ``usage`` is that prompt's),
     greedy, a fixed number of new tokens: the new token ids and the usage."""
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
     results = []
     try:
-        for prompt in PROMPTS:
+        for prompt in prompts:
             response = client.completions.create(
                 model=MODEL,
                 prompt=prompt,
@@ -396,3 +402,99 @@ tiers:
     assert _metric(after, "vllm:kvoffload_tier_hits_total", tier="disk") == STORED_BLOCKS, detail
     assert _metric(after, "vllm:kvoffload_tier_hits_total", tier="cpu") == 0, detail
     assert _metric(after, "vllm:kvoffload_load_errors_total") == 0, detail
+
+
+# --------------------------------------------------------------------------- resets
+RESET_TIMEOUT_S = 60.0
+OTHER = _tokens(300, len(PROMPTS[0]))  # shares no block with PROMPTS
+BLOCKS = FULL // BLOCK  # 10 full blocks of one prompt, never its last token
+
+
+def _reset(server: Server, *, external: bool) -> None:
+    """``POST /reset_prefix_cache`` (with ``reset_external=true``: the connector's
+    caches too) until it succeeds: vLLM refuses while blocks are held, as a finished
+    request's are until its stores are done."""
+    url = f"{server.url}/reset_prefix_cache"
+    params = {"reset_external": "true"} if external else {}
+    deadline = time.monotonic() + RESET_TIMEOUT_S
+    while True:
+        response = httpx.post(url, params=params, timeout=30)
+        assert response.status_code == 200, response.text
+        if response.json().get("success") is True:
+            return
+        assert time.monotonic() < deadline, f"reset refused for {RESET_TIMEOUT_S} s"
+        time.sleep(0.5)
+
+
+def _stored(n: int) -> Callable[[str], bool]:
+    """Whether ``/metrics`` counts ``n`` blocks written to the disk tier."""
+    return lambda text: (
+        (_metric(text, "vllm:kvoffload_tier_blocks_stored_total", tier="disk") or 0) >= n
+    )
+
+
+def test_reset_external_serves_no_block_stored_before_it(
+    tmp_path: Path, start_server: Callable[[Path], Server]
+) -> None:
+    """One server over cpu -> mmap tiers (written through). A prompt's 10 full blocks
+    are stored in both tiers; ``POST /reset_prefix_cache?reset_external=true`` (what
+    vLLM does to its caches around a weight update, which keeps the model's name)
+    answers success; the same prompt sent again gets 0 cached tokens, and ``/metrics``
+    counts 0 tier hits and 0 blocks loaded, though both tiers still held its blocks
+    (verified: their checksums are valid). Control: another prompt, stored after that
+    reset, then a plain prefix-cache reset (vLLM's own cache only), is served from the
+    tiers: 320 cached tokens, 10 blocks loaded, each a hit of the cpu tier."""
+    config = tmp_path / "kvoffload.yaml"
+    config.write_text(
+        f"""\
+version: 1
+tiers:
+  - name: cpu
+    backend: cpu
+    capacity: 16MiB
+    max_pending_stores: 64
+  - name: disk
+    backend: mmap
+    path: {tmp_path / "disk"}
+    capacity: 64MiB
+    write_policy: write_through
+    max_pending_stores: 64
+"""
+    )
+    if SABOTAGE:  # every load fails: the control's checks must fail (support/e2e.py)
+        text = config.read_text().replace(
+            "backend: cpu\n", f"backend: flakycpu\n    fail_reads: {FAILING_READS}\n", 1
+        )
+        config.write_text(text)
+    server = start_server(config)
+    server.wait_healthy()
+    (first,) = _complete(server, [PROMPTS[0]])
+    _wait_metrics(server, _stored(BLOCKS))
+    _reset(server, external=True)
+    (again,) = _complete(server, [PROMPTS[0]])
+    # Its blocks stored again after the reset: every stat of the request is in.
+    after_reset = _wait_metrics(server, _stored(2 * BLOCKS))
+    (control,) = _complete(server, [OTHER])
+    _wait_metrics(server, _stored(3 * BLOCKS))
+    _reset(server, external=False)
+    (control_again,) = _complete(server, [OTHER])
+    loaded = _wait_metrics(
+        server, lambda t: (_metric(t, "vllm:kvoffload_blocks_loaded_total") or 0) >= BLOCKS
+    )
+    detail = (
+        f"{_kvoffload_lines(after_reset)}\n---\n{_kvoffload_lines(loaded)}\n{server.tail(3000)}"
+    )
+    cached = [r["cached"] for r in (first, again, control, control_again)]
+    assert cached == [0, 0, 0, FULL], f"{cached}\n{detail}"
+    assert again["tokens"] == first["tokens"], detail
+    assert control_again["tokens"] == control["tokens"], detail
+    # After the external reset: nothing found, nothing loaded, from either tier.
+    for tier in ("cpu", "disk"):
+        assert _metric(after_reset, "vllm:kvoffload_tier_hits_total", tier=tier) == 0, detail
+    assert _metric(after_reset, "vllm:kvoffload_blocks_loaded_total") == 0, detail
+    assert _metric(after_reset, "vllm:kvoffload_prefetched_blocks_total") == 0, detail
+    # The control, after a plain reset: its 10 blocks loaded, found in the cpu tier.
+    assert _metric(loaded, "vllm:kvoffload_blocks_loaded_total") == BLOCKS, detail
+    assert _metric(loaded, "vllm:kvoffload_tier_hits_total", tier="cpu") == BLOCKS, detail
+    assert _metric(loaded, "vllm:kvoffload_tier_hits_total", tier="disk") == 0, detail
+    assert _metric(loaded, "vllm:kvoffload_load_errors_total") == 0, detail

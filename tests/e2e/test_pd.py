@@ -8,7 +8,7 @@ stores nothing). A small proxy here sends each request to the prefill engine wit
 ``max_tokens=1``, then the same prompt to the decode engine, as a P/D router would:
 the decode engine's lookup may come while the prefill engine's stores are still on
 their way to the server, and it waits for them (``None``: "not yet") until the
-prompt's whole loadable prefix is there, or ``load_timeout_ms`` (500 ms here) has
+prompt's whole loadable prefix is there, or ``producer_wait_ms`` (500 ms here) has
 passed since its first lookup.
 
 What it shows: the decode engine's outputs equal an engine's without the connector;
@@ -16,7 +16,7 @@ it computes at most 5% of the prompt tokens (vLLM's ``num_cached_tokens``, every
 cached token past its own prefix cache loaded by the connector: its counters); the
 prefill engine loads nothing, the decode engine stores nothing. Then the prefill
 engine is SIGKILLed while it runs a request: the proxy sends that prompt and the next
-to the decode engine alone, which waits ``load_timeout_ms`` for blocks that never come
+to the decode engine alone, which waits ``producer_wait_ms`` for blocks that never come
 and computes them; no request fails and the outputs are still the reference's.
 """
 
@@ -129,7 +129,7 @@ def pd(tmp_path: Path) -> Iterator[tuple[Engine, Engine, RedisServer]]:
     cpu = {"name": "cpu", "backend": "cpu", "capacity": "64MiB", "max_pending_stores": 256}
     conn = {
         "model_id": MODEL_ID,
-        "config": {"tiers": [cpu, redis_tier(server.url())], "load_timeout_ms": WAIT_MS},
+        "config": {"tiers": [cpu, redis_tier(server.url())], "producer_wait_ms": WAIT_MS},
     }
     started: list[Engine] = []
     try:
@@ -212,7 +212,7 @@ def test_prefill_decode_through_redis(
     print("after the kill: seconds", seconds, "loaded", final["tokens_loaded"] - loaded_before)
     assert not any(o["failed"] for o in outs)
     assert [o["tokens"] for o in outs] == reference[len(BATCH) :]
-    # Nothing of these prompts was ever stored: each waited load_timeout_ms, and was
+    # Nothing of these prompts was ever stored: each waited producer_wait_ms, and was
     # computed whole.
     assert all(s >= WAIT_MS / 1e3 for s in seconds), seconds
     assert final["tokens_loaded"] == loaded_before, json.dumps(final)
