@@ -1,5 +1,6 @@
-"""The channel between the connector's two sides (connectors/vllm/books.py): nobody
-else gets in, nothing is unpickled, and no wait is unbounded.
+"""The channel between the connector's two sides (connectors/vllm/books.py and its
+wire, channel.py): nobody else gets in, nothing is unpickled, no wait is unbounded,
+and nothing a client sends stops the server.
 
 A real books server on a real Unix socket, with a stand-in for the worker's books (its
 ``answer``), and real processes of another user (the tests run as root, as CI does).
@@ -19,14 +20,10 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from kvoffload.connectors.vllm.books import (
-    BooksError,
-    _address,
-    _BooksServer,
-    _key_path,
-    _private_dir,
-    _RemoteBooks,
-)
+from kvoffload.connectors.vllm.books import BooksError, _BooksServer, _RemoteBooks
+from kvoffload.connectors.vllm.channel import _address, _key_path, _private_dir
+
+from kvoffload.exceptions import ConfigError
 
 NOBODY = 65534
 
@@ -161,3 +158,184 @@ def test_a_stuck_worker_costs_a_miss_and_its_late_answer_is_dropped(
     finally:
         for conn in remote.conns:
             conn.close()
+
+
+class _Turns(_Stub):
+    """Rank ``rank`` of a TP group whose lookups are slow in turn: its ``k``-th lookup
+    is undecided (``None``) when ``k + rank`` is even, else it answers ``hit``. Two
+    ranks together: on every ask exactly one of them has not decided."""
+
+    def __init__(self, rank: int, hit: int) -> None:
+        super().__init__()
+        self.rank, self.hit, self.lookups = rank, hit, 0
+
+    def answer(self, op: str, arg: Any) -> int | None:
+        self.asked.append((op, arg))
+        if op != "lookup":
+            return 7
+        k, self.lookups = self.lookups, self.lookups + 1
+        if self.hit < 0 or (k + self.rank) % 2 == 0:
+            return None  # a hit < 0: never decides
+        return self.hit
+
+
+@pytest.fixture
+def two_ranks() -> Iterator[tuple[str, list[_Turns], _RemoteBooks]]:
+    """Two ranks of one engine, each on its own real server; rank 0 would hit 4
+    blocks, rank 1 6."""
+    engine_id = f"books-{uuid.uuid4().hex[:8]}"
+    stubs = [_Turns(0, 4), _Turns(1, 6)]
+    servers = [
+        _BooksServer(SimpleNamespace(answer=stub.answer), engine_id, rank)  # type: ignore[arg-type]
+        for rank, stub in enumerate(stubs)
+    ]
+    remote = _RemoteBooks(engine_id, 2, timeout_s=30)
+    yield engine_id, stubs, remote
+    for conn in remote.conns:
+        conn.close()
+    for server in servers:
+        server.close()
+
+
+def _ops(stub: _Stub, op: str) -> list[Any]:
+    return [arg for name, arg in stub.asked if name == op]
+
+
+def test_ranks_slow_in_turn_still_decide(
+    two_ranks: tuple[str, list[_Turns], _RemoteBooks],
+) -> None:
+    """Rank 0 is undecided on this ask, rank 1 on the next, and so on: a decided
+    rank's answer is kept until every rank has decided, so the lookup ends (the least
+    of the two), instead of starting over at every step."""
+    _, stubs, remote = two_ranks
+    answers = [remote.lookup("r", [])]
+    while answers[-1] is None and len(answers) < 10:
+        answers.append(remote.lookup("r", []))
+    assert answers == [None, 4]
+    assert len(_ops(stubs[1], "lookup")) == 1  # its kept answer (and pin) stood
+    # Decided: the next lookup of the request asks every rank again.
+    remote.lookup("r", [])
+    assert [len(_ops(s, "lookup")) for s in stubs] == [3, 2]
+
+
+def test_a_kept_answer_is_released_on_every_rank(
+    two_ranks: tuple[str, list[_Turns], _RemoteBooks],
+) -> None:
+    """A rank's decided answer is kept (its claim pinned) while the other decides;
+    the request ends meanwhile: its release reaches every rank, and a plan too."""
+    _, stubs, remote = two_ranks
+    assert remote.lookup("r", []) is None  # rank 1 decided, rank 0 not
+    remote.release("r")
+    assert [_ops(s, "release") for s in stubs] == [["r"], ["r"]]
+    assert remote.lookup("r", []) is None  # started over: both ranks asked
+    assert [len(_ops(s, "lookup")) for s in stubs] == [2, 2]
+    remote.plan(3, "r", 0, 4)
+    assert [_ops(s, "plan") for s in stubs] == [[(3, "r", 0, 4)]] * 2
+
+
+def test_a_rank_that_misses_decides_the_lookup(
+    two_ranks: tuple[str, list[_Turns], _RemoteBooks],
+) -> None:
+    """A block is loadable only where every rank holds it: one rank's 0 is the
+    answer, whatever the undecided ranks will say."""
+    _, stubs, remote = two_ranks
+    stubs[0].hit, stubs[1].hit = -1, 0  # rank 0 never decides, rank 1 misses
+    assert remote.lookup("r", []) == 0
+    remote.release("r")
+    assert [_ops(s, "release") for s in stubs] == [["r"], ["r"]]
+
+
+def test_deeply_nested_json_is_an_error_and_the_server_goes_on(
+    served: tuple[str, _Stub, _BooksServer],
+) -> None:
+    """JSON nested past the interpreter's recursion limit (``RecursionError``, not a
+    ``ValueError``), sent with the right key: answered with an error, and the same
+    connection, then a new one, are still served."""
+    engine_id, _, _ = served
+    remote = _RemoteBooks(engine_id, 1, timeout_s=10)
+    try:
+        (conn,) = remote.conns
+        for nested in (b"[" * 100_000 + b"]" * 100_000, b'{"n":' * 100_000 + b"1" + b"}" * 100_000):
+            conn.send_bytes(nested)
+            assert conn.poll(10), "no answer: the books thread died"
+            assert b'"error"' in conn.recv_bytes()
+        assert remote.plan(1, "r", 0, 2) == 7
+    finally:
+        conn.close()
+    again = _RemoteBooks(engine_id, 1, timeout_s=10)
+    try:
+        assert again.sources("abc") == 3
+    finally:
+        again.conns[0].close()
+
+
+def test_an_oversized_message_drops_only_its_connection(
+    served: tuple[str, _Stub, _BooksServer],
+) -> None:
+    engine_id, _, _ = served
+    remote = _RemoteBooks(engine_id, 1, timeout_s=10)
+    (conn,) = remote.conns
+    with conn:
+        conn._send(b"\x7f\xff\xff\xff")  # type: ignore[attr-defined]  # a 2 GiB length, no body
+        assert conn.poll(10)
+        with pytest.raises(EOFError):
+            conn.recv_bytes()
+    again = _RemoteBooks(engine_id, 1, timeout_s=10)
+    try:
+        assert again.sources("ab") == 2
+    finally:
+        again.conns[0].close()
+
+
+def test_a_silent_client_does_not_block_the_next(
+    served: tuple[str, _Stub, _BooksServer],
+) -> None:
+    """A client that connects and never answers the key challenge is dropped after
+    ``challenge_timeout_s`` (0.2 s here); the scheduler connecting after it is served
+    (bound: 10 s)."""
+    engine_id, _, server = served
+    server.challenge_timeout_s = 0.2
+    answers: list[int] = []
+
+    def ask() -> None:
+        remote = _RemoteBooks(engine_id, 1, timeout_s=10)
+        try:
+            answers.append(remote.sources("abcd"))
+        finally:
+            remote.conns[0].close()
+
+    with socket.socket(socket.AF_UNIX) as silent:
+        silent.connect(_address(engine_id, 0))
+        asker = threading.Thread(target=ask, daemon=True)
+        asker.start()
+        asker.join(10)
+        assert answers == [4]
+
+
+def test_a_second_server_with_the_same_engine_id_is_refused(
+    served: tuple[str, _Stub, _BooksServer],
+) -> None:
+    """Two engines given one engine id would share one socket path: the second is
+    refused at start, naming the id, the path and the fix; the first keeps its socket
+    and key. A socket file whose server is gone is replaced."""
+    engine_id, _, first = served
+    key = _key_path(engine_id, 0).read_bytes()
+    with pytest.raises(ConfigError, match=f"{engine_id}.*{first.address}.*unique `engine_id`"):
+        _BooksServer(SimpleNamespace(answer=_Stub().answer), engine_id, 0)  # type: ignore[arg-type]
+    assert _key_path(engine_id, 0).read_bytes() == key
+    remote = _RemoteBooks(engine_id, 1, timeout_s=10)
+    try:
+        assert remote.sources("abc") == 3
+    finally:
+        remote.conns[0].close()
+    first.close()
+    with socket.socket(socket.AF_UNIX) as dead:  # bound, never listening: a stale file
+        dead.bind(first.address)
+    assert Path(first.address).exists()
+    again = _BooksServer(SimpleNamespace(answer=_Stub().answer), engine_id, 0)  # type: ignore[arg-type]
+    try:
+        remote = _RemoteBooks(engine_id, 1, timeout_s=10)
+        assert remote.sources("ab") == 2
+        remote.conns[0].close()
+    finally:
+        again.close()

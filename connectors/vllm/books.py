@@ -8,134 +8,54 @@ side, one per engine and rank) answers its questions (``lookup``, ``plan``,
 ``release``, ``sources``, ``reset``), and :class:`_RemoteBooks` (scheduler side) asks
 every rank and combines the answers. Microseconds per question against a step of
 milliseconds, and the books stay where the bytes are. Kept apart from both halves
-because it is their wire protocol: the server and the client must change together.
-
-Nobody else gets in. The socket and its key live in a directory only this user may
-enter (``$TMPDIR/kvoffload-<uid>``, mode 0700 whatever the umask, refused if another
-user owns it or may write it); the key is 32 random bytes per engine and rank, in a
-file of mode 0600, that the client proves it has (``multiprocessing.connection``'s
-challenge, which exchanges raw bytes). Every message is a JSON object of a fixed
-shape (:func:`_encode_question`), never unpickled.
+because it is their protocol: the server and the client must change together. Who
+may connect and what a message looks like is the wire's (:mod:`.channel`).
 
 No wait is unbounded. A question not answered within ``timeout_s`` costs a miss (a
 lookup answers 0): a worker stuck in a tier never hangs the scheduler. Answers carry
-the question's number, and late ones are dropped when they arrive.
+the question's number, and late ones are dropped when they arrive. A lookup across
+ranks ends when its slowest rank has decided (:class:`_RemoteBooks`). A client that
+does not answer the key challenge in time is dropped, and a message the server cannot
+read costs its sender an error answer or its connection, never the server its thread.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
+import logging
 import os
-import secrets
 import socket
-import stat
-import tempfile
 import threading
 import time
-from multiprocessing.connection import Client, Connection, Listener
+from dataclasses import dataclass, field
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import (
+    Client,
+    Connection,
+    answer_challenge,
+    deliver_challenge,
+)
 from pathlib import Path
-from typing import Any, Final, Protocol
+from typing import Any, Protocol
 
+from kvoffload.exceptions import ConfigError
 from kvoffload.keys import BlockKey
 
-MAX_MESSAGE: Final = 64 * 2**20
-"""Largest message either side reads (a lookup of a million-token prompt is ~5 MB)."""
+from .channel import (
+    CHALLENGE_TIMEOUT_S,
+    MAX_MESSAGE,
+    _address,
+    _decode_question,
+    _encode_question,
+    _key_path,
+    _new_key,
+    _number,
+    _refuse_if_served,
+    _set_timeout,
+    _taken,
+)
 
-QUESTIONS: Final = ("lookup", "prefetch", "plan", "release", "sources", "reset")
-
-
-def _private_dir() -> Path:
-    """``$TMPDIR/kvoffload-<uid>``, made mode 0700 if new; ``PermissionError`` if it
-    is not a directory this user owns and alone may enter."""
-    path = Path(tempfile.gettempdir()) / f"kvoffload-{os.getuid()}"
-    with contextlib.suppress(FileExistsError):
-        path.mkdir(mode=0o700)
-    info = os.lstat(path)
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-        raise PermissionError(
-            f"{path}: not a directory of user {os.getuid()}; kvoffload keeps its books "
-            "sockets there and will not use it: remove it"
-        )
-    if stat.S_IMODE(info.st_mode) != 0o700:
-        os.chmod(path, 0o700)  # mkdir's mode is cut by the umask, and may be too open
-    return path
-
-
-def _address(engine_id: str, rank: int) -> str:
-    return str(_private_dir() / f"{engine_id}-{rank}.sock")
-
-
-def _key_path(engine_id: str, rank: int) -> Path:
-    return _private_dir() / f"{engine_id}-{rank}.key"
-
-
-def _new_key(engine_id: str, rank: int) -> bytes:
-    """A fresh random key for this engine and rank, written mode 0600."""
-    key = secrets.token_bytes(32)
-    path = _key_path(engine_id, rank)
-    path.unlink(missing_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, key)
-    finally:
-        os.close(fd)
-    return key
-
-
-def _encode_question(n: int, op: str, arg: Any) -> bytes:
-    """A question as JSON: keys (bytes) as hex."""
-    if op in ("lookup", "prefetch"):
-        req_id, keys = arg
-        arg = [req_id, [bytes(k).hex() for k in keys]]
-    return json.dumps({"n": n, "op": op, "arg": arg}).encode()
-
-
-def _number(data: bytes) -> int:
-    """A question's number, for its answer even when the rest is malformed (-1 if it
-    has none)."""
-    try:
-        msg = json.loads(data)
-    except ValueError:
-        return -1
-    n = msg.get("n") if isinstance(msg, dict) else None
-    return n if isinstance(n, int) else -1
-
-
-def _decode_question(data: bytes) -> tuple[int, str, Any]:
-    """The number, name and arguments of a question; ``ValueError`` for anything but
-    one of :data:`QUESTIONS` with arguments of its types."""
-    msg = json.loads(data)
-    if not isinstance(msg, dict) or set(msg) != {"n", "op", "arg"}:
-        raise ValueError("not a question")
-    n, op, arg = msg["n"], msg["op"], msg["arg"]
-    if not isinstance(n, int) or op not in QUESTIONS:
-        raise ValueError(f"unknown question {op!r}")
-    if op in ("lookup", "prefetch"):
-        if not isinstance(arg, list) or len(arg) != 2:
-            raise ValueError(f"{op}: expected a request id and hex keys")
-        req_id, keys = arg
-        if not isinstance(req_id, str) or not isinstance(keys, list):
-            raise ValueError(f"{op}: expected a request id and hex keys")
-        if not all(isinstance(k, str) for k in keys):
-            raise ValueError(f"{op}: expected a request id and hex keys")
-        arg = (req_id, [BlockKey(bytes.fromhex(k)) for k in keys])
-    elif op == "plan":
-        if not (
-            isinstance(arg, list)
-            and len(arg) == 4
-            and isinstance(arg[1], str)
-            and all(isinstance(v, int) for v in (arg[0], arg[2], arg[3]))
-        ):
-            raise ValueError("plan: expected plan id, request id, start, count")
-        arg = tuple(arg)
-    elif op in ("release", "sources"):
-        if not isinstance(arg, str):
-            raise ValueError(f"{op}: expected a request id")
-    elif arg is not None:
-        raise ValueError("reset: expected no argument")
-    return n, op, arg
+logger = logging.getLogger(__name__)
 
 
 class _Answers(Protocol):
@@ -151,60 +71,100 @@ class _BooksServer:
     worker in its own process): one Unix socket per engine and rank, one thread,
     questions (:func:`_decode_question`) answered in order, each with its number.
     Microseconds per call against a step of milliseconds, and the books stay where the
-    bytes are."""
+    bytes are. One connection is served at a time (there is one scheduler); what a
+    client sends can cost it its connection, never the thread."""
+
+    challenge_timeout_s: float = CHALLENGE_TIMEOUT_S
 
     def __init__(self, shared: _Answers, engine_id: str, rank: int) -> None:
         self.address = _address(engine_id, rank)
         self.key_path = _key_path(engine_id, rank)
+        _refuse_if_served(self.address, engine_id, rank)
+        # A stale socket and key (their server is gone): the key file is written only
+        # once the new socket listens, so a client never reads an old key for it.
         Path(self.address).unlink(missing_ok=True)
-        key = _new_key(engine_id, rank)
-        self.listener = Listener(self.address, family="AF_UNIX", authkey=key)
+        self.key_path.unlink(missing_ok=True)
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._sock.bind(self.address)
+        except OSError as exc:  # another server bound it since the check
+            self._sock.close()
+            raise ConfigError(_taken(engine_id, rank, self.address)) from exc
         os.chmod(self.address, 0o600)
+        self._sock.listen(8)
+        self._key = _new_key(engine_id, rank)
         self.shared = shared
-        self._closed = False
-        self._conn: Any = None  # the scheduler's connection being served
+        self._stopping = threading.Event()
+        self._conn: Connection | None = None  # the connection being served
         self.thread = threading.Thread(target=self._serve, name="kvoffload-books", daemon=True)
         self.thread.start()
 
     def _serve(self) -> None:
-        while not self._closed:
+        while not self._stopping.is_set():
             try:
-                conn = self.listener.accept()
-            except OSError:
-                return  # closed
-            self._conn = conn
-            with conn:
-                while True:
-                    try:
-                        data = conn.recv_bytes(MAX_MESSAGE)
-                    except (EOFError, OSError):
-                        break
-                    n = _number(data)
-                    try:
-                        n, op, arg = _decode_question(data)
-                        reply: dict[str, Any] = {"n": n, "value": self.shared.answer(op, arg)}
-                    except Exception as exc:  # the scheduler raises it
-                        reply = {"n": n, "error": f"{type(exc).__name__}: {exc}"}
-                    conn.send_bytes(json.dumps(reply).encode())
+                sock, _ = self._sock.accept()
+            except OSError as exc:
+                if self._stopping.is_set():
+                    return
+                logger.warning("kvoffload books %s: accept failed: %s", self.address, exc)
+                time.sleep(0.1)  # out of descriptors, say: not a busy loop
+                continue
+            conn = self._conn = Connection(sock.detach())
+            try:
+                with conn:
+                    if self._challenge(conn):
+                        self._answer_all(conn)
+            except Exception:  # a bug of ours: that connection goes, the server stays
+                logger.exception("kvoffload books %s: connection dropped", self.address)
+            finally:
+                self._conn = None
+
+    def _challenge(self, conn: Connection) -> bool:
+        """Whether the client proves it has the key within ``challenge_timeout_s``
+        (a receive and send timeout on the socket, lifted once it has)."""
+        try:
+            _set_timeout(conn, self.challenge_timeout_s)
+            deliver_challenge(conn, self._key)
+            answer_challenge(conn, self._key)
+            _set_timeout(conn, 0.0)
+        except (AuthenticationError, EOFError, OSError) as exc:
+            logger.debug("kvoffload books %s: client refused: %r", self.address, exc)
+            return False
+        return True
+
+    def _answer_all(self, conn: Connection) -> None:
+        """Answer ``conn``'s questions until it closes; a message too long for
+        :data:`MAX_MESSAGE` ends it (its bytes would have to be read to go on)."""
+        while not self._stopping.is_set():
+            try:
+                data = conn.recv_bytes(MAX_MESSAGE)
+                conn.send_bytes(self._reply(data))
+            except (EOFError, OSError):
+                return  # closed by the client, or by close()
+
+    def _reply(self, data: bytes) -> bytes:
+        """The answer to one message: its value, or an error for anything malformed
+        or failing (the scheduler raises it)."""
+        n = _number(data)
+        try:
+            n, op, arg = _decode_question(data)
+            return json.dumps({"n": n, "value": self.shared.answer(op, arg)}).encode()
+        except Exception as exc:
+            return json.dumps({"n": n, "error": f"{type(exc).__name__}: {exc}"}).encode()
 
     def close(self) -> None:
         """Stop the thread. Closing a socket does not wake a thread blocked in
         ``accept`` or ``recv`` on it (Linux), and a thread left blocked would keep the
         closed Offloader, and through it the engine's KV cache, alive: shut the sockets
         down first, which wakes both."""
-        self._closed = True
-        socks = [getattr(getattr(self.listener, "_listener", None), "_socket", None)]
-        if self._conn is not None and not self._conn.closed:
-            socks.append(self._conn)
-        for sock in socks:
-            if sock is None:
-                continue
+        self._stopping.set()
+        for sock in (self._sock, self._conn):
             try:
-                with socket.socket(fileno=os.dup(sock.fileno())) as dup:
+                with socket.socket(fileno=os.dup(sock.fileno())) as dup:  # type: ignore[union-attr]
                     dup.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass  # already closed or never connected
-        self.listener.close()
+            except (AttributeError, OSError):
+                pass  # none, already closed or never connected
+        self._sock.close()
         Path(self.address).unlink(missing_ok=True)
         self.key_path.unlink(missing_ok=True)
         self.thread.join(timeout=5)
@@ -214,30 +174,52 @@ class BooksError(RuntimeError):
     """A worker's books answered a question with an error."""
 
 
+@dataclass
+class _Lookup:
+    """One request's lookup while some rank has not decided it."""
+
+    keys: list[BlockKey]
+    decided: dict[int, int] = field(default_factory=dict)
+    """By rank, the answers already given (each rank holds its claim meanwhile)."""
+
+
 class _RemoteBooks:
     """The scheduler side's handle on the workers' books in other processes: one
     connection per rank. Each rank holds its own shard of every block, so a block is
     loadable only where every rank has it: the answers are the minimum over ranks (the
     questions go to all ranks before any answer is read). A rank that does not answer
-    within ``timeout_s`` makes the answer 0 (a miss)."""
+    within ``timeout_s`` makes the answer 0 (a miss).
+
+    A lookup is decided once every rank has decided it. A rank's decided answer is
+    kept until then, and only the undecided ranks are asked again: asking every rank
+    each time would start over whenever one rank is slow, and ranks slow in turn would
+    keep a request waiting forever. So the lookup takes as long as its slowest rank,
+    which its own books bound (``books_timeout_ms`` for a lookup hanging in a tier, a
+    claim's bounded prefetch rounds). One rank's 0 decides it at once. A rank keeps
+    the claim of its kept answer pinned until the scheduler's ``plan`` or
+    ``release``, which go to every rank as before."""
 
     def __init__(self, engine_id: str, ranks: int, timeout_s: float = 1.0) -> None:
         self.timeout_s = timeout_s
         self.conns: list[Connection] = [self._connect(engine_id, rank) for rank in range(ranks)]
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
         self._n = 0
+        self._lookups: dict[str, _Lookup] = {}
         self.timeouts = 0
         """Questions some rank did not answer in time."""
 
     @staticmethod
     def _connect(engine_id: str, rank: int) -> Connection:
+        """A connection to the rank's server, once it is up (60 s at most). A failed
+        challenge is tried again: the key read may be a server's that just stopped,
+        or the server dropped this client as too slow (:data:`CHALLENGE_TIMEOUT_S`)."""
         address = _address(engine_id, rank)
         deadline = time.monotonic() + 60
         while True:
             try:
                 key = _key_path(engine_id, rank).read_bytes()
                 return Client(address, family="AF_UNIX", authkey=key)
-            except (FileNotFoundError, ConnectionRefusedError):
+            except (FileNotFoundError, ConnectionError, EOFError, AuthenticationError):
                 if time.monotonic() > deadline:
                     raise RuntimeError(
                         f"TieredOffloadConnector: no worker-side books at {address} after "
@@ -256,40 +238,74 @@ class _RemoteBooks:
                 return reply
         return None
 
-    def _ask(self, op: str, arg: object) -> int | None:
-        """Every rank's answer: ``None`` if any rank has not decided, else the least;
-        0 if any rank did not answer in time."""
+    def _values(self, op: str, arg: object, ranks: list[int]) -> list[Any] | None:
+        """The answers of ``ranks``, ``None`` if any did not answer in time."""
         with self.lock:
             self._n += 1
             n = self._n
             data = _encode_question(n, op, arg)
-            for conn in self.conns:
-                conn.send_bytes(data)
+            for rank in ranks:
+                self.conns[rank].send_bytes(data)
             deadline = time.monotonic() + self.timeout_s
-            replies = [self._reply(conn, n, deadline) for conn in self.conns]
+            replies = [self._reply(self.conns[rank], n, deadline) for rank in ranks]
         if any(r is None for r in replies):
             self.timeouts += 1
-            return 0
-        answers: list[Any] = []
+            return None
+        values: list[Any] = []
         for reply in replies:
             assert reply is not None
             if "error" in reply:
                 raise BooksError(f"kvoffload books: {op}: {reply['error']}")
-            answers.append(reply.get("value"))
-        if any(a is None for a in answers):
+            values.append(reply.get("value"))
+        return values
+
+    def _ask(self, op: str, arg: object) -> int | None:
+        """Every rank's answer: ``None`` if any rank has not decided, else the least;
+        0 if any rank did not answer in time."""
+        values = self._values(op, arg, list(range(len(self.conns))))
+        if values is None:
+            return 0
+        if any(v is None for v in values):
             return None
-        return min(int(a) for a in answers)
+        return min(int(v) for v in values)
 
     def lookup(self, req_id: str, keys: list[BlockKey]) -> int | None:
-        return self._ask("lookup", (req_id, keys))
+        """The least hit over ranks, once every rank has decided (see the class)."""
+        with self.lock:
+            asked = self._lookups.get(req_id)
+            if asked is None or asked.keys != keys:  # other keys: every rank anew
+                asked = self._lookups[req_id] = _Lookup(list(keys))
+            ranks = [r for r in range(len(self.conns)) if r not in asked.decided]
+            try:
+                values = self._values("lookup", (req_id, keys), ranks)
+            except BaseException:
+                del self._lookups[req_id]
+                raise
+            if values is None:  # a rank did not answer in time: a miss
+                del self._lookups[req_id]
+                return 0
+            for rank, value in zip(ranks, values, strict=True):
+                if value is not None:
+                    asked.decided[rank] = int(value)
+            hits = asked.decided.values()
+            if len(hits) < len(self.conns) and 0 not in hits:
+                return None
+            del self._lookups[req_id]
+            return min(hits)
+
+    def _forget(self, req_id: str) -> None:
+        with self.lock:
+            self._lookups.pop(req_id, None)
 
     def prefetch(self, req_id: str, keys: list[BlockKey]) -> int:
         return self._ask("prefetch", (req_id, keys)) or 0
 
     def plan(self, plan_id: int, req_id: str, start: int, n: int) -> int:
+        self._forget(req_id)
         return self._ask("plan", [plan_id, req_id, start, n]) or 0
 
     def release(self, req_id: str) -> int:
+        self._forget(req_id)
         self._ask("release", req_id)
         return 0
 
