@@ -11,7 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 from kvoffload.connectors.vllm.events import _EventBook
-from kvoffload.connectors.vllm.groups import FULL, MAMBA, SLIDING, Group, groups_from_vllm
+from kvoffload.connectors.vllm.groups import (
+    FULL,
+    MAMBA,
+    SLIDING,
+    Group,
+    groups_from_vllm,
+    refuse_unservable,
+)
 from kvoffload.connectors.vllm.groups import pool_from_vllm as pool_of
 from kvoffload.connectors.vllm.shared import _Shared
 from support.blocks import BPB, LAYOUT, POOL, make_keys, make_offloader, store_and_settle
@@ -142,3 +149,125 @@ def test_a_hit_is_the_longest_boundary_every_group_serves() -> None:
         assert shared.offloader.pinned() == [0]
     finally:
         shared.offloader.close()
+
+
+# ------------------------------------------------------- specs kept, specs refused
+def _attn(**kw: object) -> dict[str, object]:
+    return {"block_size": BLOCK, "num_kv_heads": 1, "head_size": 64, "dtype": torch.bfloat16, **kw}
+
+
+def _mla(**kw: object) -> object:
+    return kv.MLAAttentionSpec(
+        block_size=BLOCK, num_kv_heads=1, head_size=576, dtype=torch.bfloat16, **kw
+    )
+
+
+def _uniform(**specs: object) -> object:
+    return kv.UniformTypeKVCacheSpecs(block_size=BLOCK, kv_cache_specs=specs)
+
+
+def test_a_uniform_group_is_the_kind_its_layers_share() -> None:
+    """vLLM's ``UniformTypeKVCacheSpecs`` (layers of one kind, each with its own shape):
+    MLA layers beside their indexer's, or sliding windows of one size with different
+    heads. Each layer's shape is in the group's keys. Beside them, full attention with
+    sinks (the sink's own KV is model parameters, in blocks no request holds) is full
+    attention, and MLA's sliding window a sliding window."""
+    indexer = _mla(cache_role=kv.SparseCacheRole.INDEXER)
+    windows = _uniform(
+        a=kv.SlidingWindowSpec(**_attn(sliding_window=64)),
+        b=kv.SlidingWindowSpec(**_attn(sliding_window=64, head_size=128)),
+    )
+    sink = kv.SinkFullAttentionSpec(**_attn(sink_len=BLOCK))
+    sliding_mla = kv.SlidingWindowMLASpec(
+        block_size=BLOCK, num_kv_heads=1, head_size=576, dtype=torch.bfloat16, sliding_window=64
+    )
+    config = _config(_uniform(attn=_mla(), index=indexer), windows, sink, sliding_mla)
+    groups = groups_from_vllm(config, BLOCK)  # type: ignore[arg-type]
+    assert [(g.kind, g.window) for g in groups] == [
+        (FULL, None),
+        (SLIDING, 2),
+        (FULL, None),
+        (SLIDING, 2),
+    ]
+    assert b"MLAAttentionSpec:1x576:" in groups[0].tag
+    assert b"sliding:64:0:64:" in groups[1].tag
+    assert b"sliding:64:0:128:" in groups[1].tag
+    assert groups[0].spec_kind == "mla_attention"
+
+
+class _NewAttentionSpec(kv.FullAttentionSpec):  # type: ignore[misc,name-defined]
+    """A spec kvoffload does not know (a platform's own, a later vLLM's)."""
+
+
+REFUSED = {
+    "RSWASpec": lambda: kv.RSWASpec(**_attn(rswa_window=128)),
+    "HiddenStateCacheSpec": lambda: kv.HiddenStateCacheSpec(
+        block_size=BLOCK, num_kv_heads=1, head_size=576, dtype=torch.bfloat16
+    ),
+    "CrossAttentionSpec": lambda: kv.CrossAttentionSpec(**_attn()),
+    "EncoderOnlyAttentionSpec": lambda: kv.EncoderOnlyAttentionSpec(**_attn()),
+    "CircularBufferSpec": lambda: kv.CircularBufferSpec(**_attn()),
+    "HiSparseHotSpec": lambda: kv.HiSparseHotSpec(
+        block_size=BLOCK, page_size=4096, blocks_per_request=4
+    ),
+    "SlidingWindowMLASpec": lambda: kv.SlidingWindowMLASpec(
+        block_size=BLOCK,
+        num_kv_heads=1,
+        head_size=576,
+        dtype=torch.bfloat16,
+        sliding_window=64,
+        bounded_replay=True,
+    ),
+    "FullAttentionSpec": lambda: kv.FullAttentionSpec(**_attn(non_causal=True)),
+    "MLAAttentionSpec": lambda: _mla(tokens_per_state=4, model_version="deepseek_v4"),
+    "_NewAttentionSpec": lambda: _NewAttentionSpec(**_attn()),
+}
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_a_spec_kvoffload_cannot_keep_is_refused_in_one_line(name: str) -> None:
+    """Reference sliding window (a decoded block's KV depends on where the prompt
+    ended), a hidden-state cache, cross- and encoder-only attention, specs vLLM does
+    not prefix-cache (a ring buffer, HiSparse's hot cache, DeepSeek-V4's bounded
+    replay), non-causal full attention, compressed MLA states, and a spec kvoffload
+    does not know: each is refused, naming the spec, its group and layer, and the fix,
+    never taken for full attention."""
+    config = _config(_full(), REFUSED[name]())
+    with pytest.raises(ConfigError) as err:
+        groups_from_vllm(config, BLOCK)  # type: ignore[arg-type]
+    message = str(err.value)
+    assert "\n" not in message
+    assert f"group 1 (layer layer1): kvoffload cannot keep its {name} (" in message
+    assert "remove kv_transfer_config" in message
+
+
+def test_a_uniform_group_of_mixed_kinds_is_refused_naming_the_layer() -> None:
+    """vLLM groups a reference sliding window layer with full attention layers (both
+    are full attention to its allocator): the group is refused at that layer."""
+    mixed = _uniform(
+        full=kv.FullAttentionSpec(**_attn()), rswa=kv.RSWASpec(**_attn(rswa_window=64))
+    )
+    with pytest.raises(ConfigError, match=r"group 0 \(layer layer0\), layer rswa: .* RSWASpec"):
+        groups_from_vllm(_config(mixed), BLOCK)  # type: ignore[arg-type]
+    kinds = _uniform(full=kv.FullAttentionSpec(**_attn()), window=_sliding(64))
+    with pytest.raises(ConfigError, match=r"UniformTypeKVCacheSpecs \(its layers are not of one"):
+        groups_from_vllm(_config(kinds), BLOCK)  # type: ignore[arg-type]
+
+
+def test_mla_at_tensor_parallelism_with_several_groups_is_refused() -> None:
+    """Ranks above 0 of a replicated MLA cache never report a background load
+    finished, and several groups load every hit in the background: refused at start.
+    One group, one rank, pipeline parallelism (each rank its own tiers) or no MLA is
+    served."""
+    two = groups_from_vllm(_config(_mla(), _sliding(64)), BLOCK)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError) as err:
+        refuse_unservable(two, mla=True, tensor_parallel=2, pipeline_parallel=1)
+    message = str(err.value)
+    assert "\n" not in message
+    assert "MLA model at tensor_parallel_size 2 with 2 KV cache groups (full, sliding)" in message
+    assert "use tensor_parallel_size 1, or a model with one KV cache group" in message
+    one = groups_from_vllm(_config(_mla()), BLOCK)  # type: ignore[arg-type]
+    refuse_unservable(one, mla=True, tensor_parallel=2, pipeline_parallel=1)
+    refuse_unservable(two, mla=True, tensor_parallel=1, pipeline_parallel=1)
+    refuse_unservable(two, mla=True, tensor_parallel=2, pipeline_parallel=2)
+    refuse_unservable(two, mla=False, tensor_parallel=2, pipeline_parallel=1)
