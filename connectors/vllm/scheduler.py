@@ -27,7 +27,7 @@ from kvoffload.keys import BlockKey, key_from_hash, namespaced
 from .answers import Answers
 from .books import _RemoteBooks
 from .config import BOTH, CONSUMER, PRODUCER, ROLES
-from .events import EventBlocks, TieredOffloadKVEvents
+from .events import EventBlocks, KVEventTally
 from .groups import FULL, MAMBA, SLIDING, Group
 from .shared import _REGISTRY, _REGISTRY_LOCK
 
@@ -219,6 +219,10 @@ class TieredOffloadScheduler:
         self._remote: _RemoteBooks | None = None
         self._next_plan = 0
         self._events: list[KVCacheEvent] = []
+        self._tally = KVEventTally(self.asked)
+        """Each rank's events across steps: one is published once every rank that keeps
+        tiers has reported it (vLLM's aggregation counts only the ranks that sent
+        events in a step)."""
         self._in_flight: list[tuple[float, int]] = []
         """Steps scheduled whose output is not in yet: when, and their tokens."""
         self._sample: tuple[int, float] | None = None
@@ -587,8 +591,8 @@ class TieredOffloadScheduler:
         # events elsewhere); then no events arrive, and nothing breaks.
         self._failed_loads.update(getattr(connector_output, "failed_recving", None) or ())
         events = getattr(connector_output, "kv_cache_events", None)
-        if self._events_enabled and isinstance(events, TieredOffloadKVEvents):
-            self._events.extend(events.aggregate().get_all_events())
+        if self._events_enabled:
+            self._events.extend(self._tally.add(events))
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """The tiers' ``BlockStored`` / ``BlockRemoved`` events since the previous call
