@@ -20,12 +20,12 @@ whole module to about 3 minutes on 2 cores).
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import pytest
 
 pytest.importorskip("vllm")
 
+import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -35,8 +35,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from kvoffload.connectors.vllm import _REGISTRY
-from support.contract_harness import BLOCK, Engine, Variant, prompt
+from support.contract_harness import BLOCK, Engine, InvariantError, Variant, engine, prompt
 
 KNOWN_BUGS: dict[str, bool] = {
     # A connector reset (weights update) leaves the lower tiers' blocks, which are then
@@ -146,5 +145,77 @@ def test_engine_contract(name: str) -> None:
     _run(variant, examples)
 
 
-def _registry_resident(e: Engine) -> dict[str, Any]:
-    return dict(_REGISTRY[e.engine_id].resident)
+# ------------------------------------------------------------------ regressions
+# Short explicit sequences through the harness, one per bug of issue 29 it found on
+# the connector before the fixes of 13198cb (run against 4abe03f's connector, each of
+# these failed with the message quoted in its docstring).
+
+PROMPT = prompt(0, 3, [7, 8, 9])
+"""Three full blocks of prefix 0 and three tokens: a hit of three blocks when repeated."""
+
+
+def test_harness_catches_a_block_that_lost_its_kv() -> None:
+    """The first invariant is not vacuous: a computed block overwritten behind vLLM's
+    back fails it, named."""
+    with engine(Variant(tiers="cpu")) as e:
+        e.add(PROMPT, 4)
+        e.step()
+        e.step()
+        running = e.scheduler.running[0]
+        block = e.scheduler.kv_cache_manager.get_block_ids(running.request_id)[0][0]
+        for t in e.kv.values():
+            t[block].view(torch.int16).fill_(7)
+        with pytest.raises(InvariantError, match=r"^computed_blocks_current: .*wrong or unwritten"):
+            e.check_computed_blocks_current()
+
+
+def test_harness_counts_a_connector_hit() -> None:
+    """The sequence the regressions below build on loads its repeat from the tiers
+    (vLLM's own prefix cache reset in between), and every invariant holds."""
+    with engine(Variant(tiers="cpu+mmap")) as e:
+        e.add(PROMPT, 3)
+        e.drain()
+        assert e.reset_prefix_cache()
+        e.add(PROMPT, 3)
+        e.drain()
+        assert e.counters()["tokens_loaded"] == 3 * BLOCK
+        e.check_idle()
+
+
+@pytest.mark.parametrize("tiers", ["cpu+mmap", "cpu+lmdb"])
+def test_weights_update_never_serves_old_kv_from_a_disk_tier(tiers: str) -> None:
+    """After ``reset_prefix_cache(reset_connector=True)`` and a new weights version, a
+    repeat of an earlier prompt computes (or loads) its blocks under the new weights.
+    Before 13198cb the disk tier kept the old blocks and served them:
+    ``computed_blocks_current: request r1: 48 of its 51 computed tokens in layer 0 do
+    not hold weights version 1's KV; ... stale (weights version 0)``."""
+    with engine(Variant(tiers=tiers)) as e:
+        e.add(PROMPT, 3)
+        e.drain()
+        assert e.update_weights()
+        e.add(PROMPT, 3)
+        e.drain()
+        e.check_idle()
+
+
+def test_no_resident_entry_left_without_stats() -> None:
+    """With vLLM's stats off (``log_stats=False``: nobody asks for hit sources) a hit
+    leaves nothing in ``_Shared.resident``. Before 13198cb each hit left its entry:
+    ``idle_resident: {'r1': 3} once idle``."""
+    with engine(Variant(tiers="cpu", log_stats=False)) as e:
+        e.add(PROMPT, 3)
+        e.drain()
+        assert e.reset_prefix_cache()
+        e.add(PROMPT, 3)
+        e.drain()
+        assert e.counters()["tokens_loaded"] == 3 * BLOCK
+        e.check_idle()
+
+
+def test_a_best_effort_cache_does_not_ask_for_kv_delivery() -> None:
+    """vLLM's scheduler reads ``requires_kv_delivery`` from the connector: under
+    ``kv_both`` the connector is a best-effort cache (a dropped store is a later miss),
+    so a preempted request's in-flight output is not dropped for it. Before 13198cb the
+    base class's default (any producer, ``kv_both`` included) held."""
+    with engine(Variant(tiers="cpu")) as e:
+        assert e.scheduler.requires_kv_delivery is False
