@@ -2,10 +2,10 @@
 
 vLLM 0.33 is what ``pip install vllm`` gives a GPU user; this machine runs vLLM's CPU
 build of 0.32. ``make dev`` puts 0.33's Python code in a folder of its own
-(``support/vllm033.py``), and one child interpreter (``support/vllm033_walk.py``, about
-35 s here) runs 0.33's real ``Scheduler`` and ``AsyncScheduler`` with our connector's
-scheduler side, built by vLLM's connector factory, and its worker side in the same
-process over a CPU KV cache. This process keeps 0.32. No 0.33 engine runs: its model
+(``support/vllm033.py``), and one child interpreter (``support/vllm033_walk.py``, 30 to
+60 s on the 2-core machine) runs 0.33's real ``Scheduler`` and ``AsyncScheduler`` with
+our connector's scheduler side, built by vLLM's connector factory, and its worker side
+in the same process over a CPU KV cache. This process keeps 0.32. No 0.33 engine runs: its model
 runner and GPU worker need its CUDA kernels.
 
 Each check below holds for both scheduler classes (``Scheduler``; ``AsyncScheduler``,

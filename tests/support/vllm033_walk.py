@@ -10,16 +10,20 @@ this process (as vLLM's single-process mode builds it), over a CPU KV cache of t
 tensors, with a real Offloader and cpu tier. What stands in for the model: each step,
 the blocks the scheduler scheduled are "computed" by filling them with bytes derived
 from their vLLM block hash, and the step's output samples token 7. The worker side's
-hooks are called in the order vLLM's model runner calls them (bind the metadata,
-``start_load_kv``, ``wait_for_save``, the transfer results, the load errors, the
-stats), and their results go back to the scheduler in a ``ModelRunnerOutput``.
+hooks are called in the order vLLM's model runner calls them (``handle_preemptions``,
+bind the metadata, ``start_load_kv``, ``wait_for_save``, the transfer results, the load
+errors, the stats, the events), and their results go back to the scheduler in a
+``ModelRunnerOutput``. Before each phase's counters are read, the connector's threads
+finish their queued work and one empty step collects it (:meth:`Walk.settle`).
 
-Per scheduler class, in order:
+Per mode of :data:`MODES`, in order:
 
 - ``store``: a prompt of 3 full blocks and one token, run to its end;
 - ``hit``: vLLM's own prefix cache reset, the same prompt again: a hit of 3 blocks
   from the cpu tier, loaded into blocks first filled with garbage, and compared with
-  the stored bytes;
+  the stored bytes (in the ``background`` mode, ``unregister_mid_load``: the worker's
+  ``unregister_kv_caches`` in the step that starts that load, right after
+  ``wait_for_save``; it must return with the load done);
 - ``abort_running``: a prompt of 6 blocks chunked at 4 blocks a step, aborted after its
   first chunk's stores were submitted: its blocks are held until the worker reports
   the stores done, then freed;
