@@ -118,7 +118,7 @@ from .config import (
     role_from_vllm,
 )
 from .events import MAX_EVENT_HASHES, BlockHash, TieredOffloadKVEvents
-from .groups import groups_from_vllm
+from .groups import groups_from_vllm, refuse_unservable
 from .metrics import (
     COUNTERS,
     PREFETCH_COUNTERS,
@@ -234,6 +234,12 @@ class TieredOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
         # MLA's latent cache is the same on every tensor-parallel rank: rank 0 keeps it
         # (in the tiers a one-rank engine uses) and sends loads to the others.
         self.replicated = mla and self.ranks > 1 and parallel.pipeline_parallel_size == 1
+        refuse_unservable(
+            self.groups,
+            mla=mla,
+            tensor_parallel=parallel.tensor_parallel_size,
+            pipeline_parallel=parallel.pipeline_parallel_size,
+        )
         self._slot = _registry_key(self.engine_id, self.rank)
         if self.ranks > 1 and role == KVConnectorRole.WORKER and not self.replicated:
             # One process per rank, each with its own tiers: a disk tier of one rank
@@ -430,3 +436,16 @@ class TieredOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
         connector's engine id and rank. vLLM calls this on both roles; when they share
         a process, whichever comes first closes it."""
         _close(self._slot)
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM 0.33's sleep mode, before the KV cache's memory is released: wait until
+        nothing of ours touches it (:meth:`TieredOffloadWorker.unregister_kv_caches`)."""
+        self._worker_side().unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        """vLLM 0.33's wake-up of the KV cache: nothing to redo. The hook hands over no
+        new tensors: vLLM's sleep backend maps the memory back at the same virtual
+        addresses (cumem), so the block pool's views and device addresses stay valid.
+        The bytes there are new, but vLLM reset its prefix cache and the connector
+        before the sleep: no request and no planned load counts on them."""
+        return

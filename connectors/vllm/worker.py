@@ -607,3 +607,31 @@ class TieredOffloadWorker:
         if shared is not None:
             shared.bump("load_errors", len(errors))
         return errors
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM 0.33's sleep mode, right before the KV cache's memory is released
+        (``sleep``, or a discard of the ``kv_cache`` tag): return only once nothing of
+        ours reads or writes the KV cache. vLLM's multi-process engine gets there
+        first (its pause steps until every finished request's stores are reported
+        done), so this normally finds nothing; whatever is still in flight is waited
+        for here: the fenced stores, the layer-wise loads, the background loads (up to
+        their deadline; abandoned then, their blocks load errors) and every store
+        still reading the engine's blocks (up to ``store_timeout_ms`` for one not
+        begun; abandoned then). Idempotent. The tiers keep their blocks, copies keyed
+        by vLLM's block hashes; vLLM resets the connector before a sleep, so a prompt
+        stored before it is stored anew after the wake (a new reset generation)."""
+        shared = self._registered()
+        if shared is None:
+            return
+        self._wait_fences()
+        self._finish_layer_loads(shared)
+        if self._background:
+            until = max(b.deadline for b in self._background.values())
+            left = max(0.0, until - time.monotonic())
+            results = shared.offloader.wait(list(self._background), left)
+            now = time.monotonic()
+            for background in self._background.values():
+                background.deadline = min(background.deadline, now)
+            self._poll_background(shared, list(results))
+        self._collect(shared, shared.offloader.get_finished())
+        self._free_store_blocks(shared, wait=True)
