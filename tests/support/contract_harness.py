@@ -120,7 +120,7 @@ class Variant:
     tiers: str = "cpu+mmap"
     """``cpu``, ``cpu+mmap``, ``cpu+lmdb``, ``flakycpu+mmap`` or ``cpu+faultymmap``."""
     log_stats: bool = True
-    gpu_blocks: int = 40
+    gpu_blocks: int = 8
     """vLLM's KV cache (blocks): few make preemptions."""
     async_loads: bool = False
     """``async_load_min_bytes`` of one block: every hit is vLLM's asynchronous load."""
@@ -407,8 +407,13 @@ class Engine:
             rec.hits = stats.hits
             rec.preempted_hits = stats.preempted_hits
             rec.hits_by_source = dict(stats.hits_by_source)
+        received = sched.finished_recving_kv_req_ids  # reported, not yet resumed
         for req_id, req in sched.requests.items():
-            if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and req_id not in self.loading:
+            if (
+                req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                and req_id not in self.loading
+                and req_id not in received
+            ):
                 self.loading[req_id] = float("inf")  # submitted below, this step
         worker = self.worker
         meta = out.kv_connector_metadata
