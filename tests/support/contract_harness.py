@@ -295,6 +295,8 @@ class Engine:
         self.counter = itertools.count()
         self._prefix: dict[str, list[int]] = {}
         self._want: dict[str, tuple[int, list[torch.Tensor]]] = {}
+        self._recomputing: set[int] = set()
+        """Blocks whose load failed in the last step (see the first invariant)."""
         self.loading: dict[str, float] = {}
         """Requests in WAITING_FOR_REMOTE_KVS: when their load was submitted (at the
         latest: the end of the step that scheduled it)."""
@@ -462,6 +464,7 @@ class Engine:
         rec.finished_recving = set(results.finished_recving or ())
         rec.failed_recving = set(results.failed_recving or ())
         rec.invalid_block_ids = set(invalid)
+        self._recomputing = set(invalid)
         self.total_hits += rec.hits
         self.total_preempted_hits += rec.preempted_hits
         for req_id in list(self._prefix):
@@ -508,10 +511,15 @@ class Engine:
                 continue
             want = self._expected(request, n)
             b, o = self._slots(req_id, 0, n)
+            # A block whose load failed this step, shared by another request of the
+            # step: vLLM has the first request recompute it in its next step and lets
+            # the others count it computed meanwhile (``_update_requests_with_invalid_
+            # blocks``); it is checked once that step has run.
+            pending = torch.tensor([int(x) in self._recomputing for x in b.tolist()])
             for layer in range(LAYERS):
                 got = self._layer(layer)[b, :, o]  # (n, 2, WORDS)
                 full = want[layer][:n].repeat(1, WORDS // 4).unsqueeze(1)
-                bad = (got != full).flatten(1).any(dim=1)
+                bad = (got != full).flatten(1).any(dim=1) & ~pending
                 if not bool(bad.any()):
                     continue
                 first = int(bad.nonzero()[0])
