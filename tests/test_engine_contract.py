@@ -9,12 +9,16 @@ weights (``reset_prefix_cache(reset_connector=True)``, then a new weights versio
 after every step the harness checks its invariants (``Engine.check_*``), and once idle
 that nothing is left pinned, held, claimed or planned.
 
-Rules that reach a known bug of issue 29 are off in :data:`KNOWN_BUGS` (the fixer
-turns each on with its fix); each such bug also has a named regression test below,
-``xfail(strict=True)`` while the bug is there.
+Rules that reach a known bug can be switched off in :data:`KNOWN_BUGS` while it is
+open; the two it had (the disk tiers' blocks after a weights update, ``resident``
+without stats) were fixed by 13198cb and are on. Each bug the machine found on the
+connector before that commit also has a named regression test below (they pass on
+13198cb and later, and fail on 4abe03f's connector).
 
-``CONTRACT_EXAMPLES`` scales the run (examples per variant; the CI default keeps the
-whole module to about 3 minutes on 2 cores).
+``CONTRACT_EXAMPLES`` (examples per variant) and ``CONTRACT_STEPS`` (rules per
+example) scale the run for a deep local search; the CI default is 2,000 sequences in
+all. Examples are derandomized (the same sequences every run), and a failure prints
+its sequence and a ``@reproduce_failure`` blob.
 """
 
 from __future__ import annotations
@@ -186,9 +190,10 @@ def test_engine_contract(name: str) -> None:
 
 
 # ------------------------------------------------------------------ regressions
-# Short explicit sequences through the harness, one per bug of issue 29 it found on
-# the connector before the fixes of 13198cb (run against 4abe03f's connector, each of
-# these failed with the message quoted in its docstring).
+# Short explicit sequences through the harness, one per bug of issue 29 the machine
+# found on the connector before 13198cb (run against 4abe03f's connector, each failed
+# with the message quoted in its docstring), and requires_kv_delivery as vLLM's real
+# scheduler reads it.
 
 PROMPT = prompt(0, 3, [7, 8, 9])
 """Three full blocks of prefix 0 and three tokens: a hit of three blocks when repeated."""
