@@ -6,6 +6,8 @@ writes each computed token's KV as a function of the weights version and the tok
 (``support/contract_harness.py``). The machine adds requests over a tiny pool of
 prefixes (so hits happen), steps, aborts, resets vLLM's prefix cache and updates the
 weights (``reset_prefix_cache(reset_connector=True)``, then a new weights version);
+under synchronous scheduling and under vLLM's ``AsyncScheduler`` (one step in flight,
+driven as the engine core's batch queue drives it: the ``-asyncsched`` variants);
 after every step the harness checks its invariants (``Engine.check_*``), and once idle
 that nothing is left pinned, held, claimed or planned.
 
@@ -16,7 +18,7 @@ connector before that commit also has a named regression test below (they pass o
 13198cb and later, and fail on 4abe03f's connector).
 
 ``CONTRACT_EXAMPLES`` (examples per variant) and ``CONTRACT_STEPS`` (rules per
-example) scale the run for a deep local search; the CI default is 2,000 sequences in
+example) scale the run for a deep local search; the CI default is 2,100 sequences in
 all. Examples are derandomized (the same sequences every run), and a failure prints
 its sequence and a ``@reproduce_failure`` blob.
 """
@@ -60,14 +62,21 @@ VARIANTS: dict[str, tuple[Variant, int]] = {
     # name: (variant, CI examples). vLLM's KV cache is 8 blocks unless said otherwise:
     # its own prefix cache evicts soon, so repeats hit the tiers, and requests are
     # preempted.
-    "cpu-roomy": (Variant(tiers="cpu", gpu_blocks=32), 200),
-    "cpu": (Variant(tiers="cpu"), 300),
-    "cpu+mmap": (Variant(tiers="cpu+mmap"), 500),
-    "cpu+mmap-async": (Variant(tiers="cpu+mmap", async_loads=True), 400),
+    "cpu-roomy": (Variant(tiers="cpu", gpu_blocks=32), 150),
+    "cpu": (Variant(tiers="cpu"), 250),
+    "cpu+mmap": (Variant(tiers="cpu+mmap"), 400),
+    "cpu+mmap-async": (Variant(tiers="cpu+mmap", async_loads=True), 300),
     "cpu+lmdb-nostats": (Variant(tiers="cpu+lmdb", log_stats=False), 300),
     "flakycpu+mmap": (Variant(tiers="flakycpu+mmap"), 300),
+    # vLLM's AsyncScheduler, one step in flight (the engine core's batch queue):
+    # step N+1 is scheduled and its worker calls run before step N's output is applied.
+    "cpu+mmap-asyncsched": (Variant(tiers="cpu+mmap", async_scheduling=True), 200),
+    "cpu+mmap-async-asyncsched": (
+        Variant(tiers="cpu+mmap", async_loads=True, async_scheduling=True),
+        200,
+    ),
 }
-"""The CI examples add up to 2,000 sequences."""
+"""The CI examples add up to 2,100 sequences."""
 
 
 def _enabled(variant: Variant) -> bool:
@@ -218,6 +227,23 @@ def test_harness_counts_a_connector_hit() -> None:
     """The sequence the regressions below build on loads its repeat from the tiers
     (vLLM's own prefix cache reset in between), and every invariant holds."""
     with engine(Variant(tiers="cpu+mmap")) as e:
+        e.add(PROMPT, 3)
+        e.drain()
+        assert e.reset_prefix_cache()
+        e.add(PROMPT, 3)
+        e.drain()
+        assert e.counters()["tokens_loaded"] == 3 * BLOCK
+        e.check_idle()
+
+
+@pytest.mark.parametrize("async_loads", [False, True])
+def test_async_scheduling_loads_a_connector_hit(async_loads: bool) -> None:
+    """The same sequence under vLLM's ``AsyncScheduler`` (one step in flight): the
+    repeat loads its three blocks from the tiers, its KV is the forward pass's, and
+    the hits vLLM counted (over two schedules per ``update_from_output``) are the
+    tokens loaded."""
+    variant = Variant(tiers="cpu+mmap", async_loads=async_loads, async_scheduling=True)
+    with engine(variant) as e:
         e.add(PROMPT, 3)
         e.drain()
         assert e.reset_prefix_cache()

@@ -20,12 +20,17 @@ Each step follows what vLLM's worker does around a forward pass
 when the step has synchronous loads, after it otherwise), the forward pass,
 ``wait_for_save``, ``get_transfer_results``, ``get_block_ids_with_load_errors``, stats
 and events, then ``update_from_output`` with the ``KVConnectorOutput``.
+Under async scheduling (vLLM's ``AsyncScheduler``) the steps are those of the engine
+core's ``step_with_batch_queue``: step N+1 is scheduled and executed (its worker calls
+included) before step N's output is applied, and the model runner takes a decode's
+input token from its own last sampled token, as vLLM's does.
 
 The invariants are methods named ``check_*``, so a failure names the one it broke.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import os
@@ -52,6 +57,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -132,6 +138,9 @@ class Variant:
     max_num_batched_tokens: int = 64
     max_num_seqs: int = 4
     prefetch_on_arrival: bool = True
+    async_scheduling: bool = False
+    """vLLM's ``AsyncScheduler``, driven as the engine core's ``step_with_batch_queue``
+    drives it: one step in flight while the next is scheduled."""
 
 
 def _tiers(variant: Variant, where: Path) -> list[dict[str, Any]]:
@@ -283,7 +292,8 @@ class Engine:
         self.kv = _kv_caches(variant.gpu_blocks)
         self.worker = TieredOffloadConnector(config, KVConnectorRole.WORKER, self.kv_cache_config)
         self.worker.register_kv_caches(self.kv)
-        self.scheduler = Scheduler(
+        scheduler_cls = AsyncScheduler if variant.async_scheduling else Scheduler
+        self.scheduler = scheduler_cls(
             vllm_config=config,
             kv_cache_config=self.kv_cache_config,
             structured_output_manager=StructuredOutputManager(config),
@@ -296,6 +306,14 @@ class Engine:
         self.counter = itertools.count()
         self._prefix: dict[str, list[int]] = {}
         self._want: dict[str, tuple[int, list[torch.Tensor]]] = {}
+        self._pending: dict[str, list[int]] = {}
+        """Per request, the tokens our model runner sampled in steps whose output the
+        scheduler has not applied yet."""
+        self._queue: collections.deque[
+            tuple[SchedulerOutput, ModelRunnerOutput, StepRecord, float]
+        ] = collections.deque()
+        """Async scheduling: the steps executed, their output not yet applied (newest
+        first, as the engine core's ``batch_queue``)."""
         self._recomputing: set[int] = set()
         """Blocks whose load failed in the last step (see the first invariant)."""
         self.loading: dict[str, float] = {}
@@ -339,10 +357,23 @@ class Engine:
             self.version += 1
         return ok
 
+    def _tokens(self, request: Request) -> list[int]:
+        """The request's tokens as the model runner knows them: the scheduler's, then
+        those sampled in steps whose output has not reached the scheduler yet (async
+        scheduling: the scheduler holds placeholders for them)."""
+        return list(request.all_token_ids) + self._pending.get(request.request_id, [])
+
     def _prefix_hashes(self, request: Request, upto: int) -> list[int]:
         have = self._prefix.setdefault(request.request_id, [])
         if len(have) < upto:
-            rolling(list(request.all_token_ids[:upto]), have)
+            tokens = self._tokens(request)
+            if len(tokens) < upto:
+                _fail(
+                    "model_runner_tokens",
+                    f"request {request.request_id}: position {upto - 1} scheduled or "
+                    f"computed, but only {len(tokens)} tokens known",
+                )
+            rolling(tokens[:upto], have)
         return have
 
     def _expected(self, request: Request, n: int) -> list[torch.Tensor]:
@@ -392,24 +423,61 @@ class Engine:
             for layer in range(LAYERS):
                 vals = want[layer][start : start + n].repeat(1, WORDS // 4)
                 self._layer(layer)[b, :, o] = vals.unsqueeze(1).expand(-1, 2, -1)
-            if start + n >= request.num_tokens:
+            if start + n >= len(self._tokens(request)):
                 last = self._prefix[req_id][start + n - 1]
                 sampled[req_id] = [2 + (last ^ (self.version * 7919)) % 1000]
         return sampled
 
     def step(self) -> StepRecord:
         """One engine step: schedule, the worker's connector calls around our forward
-        pass, ``update_from_output``; then every per-step invariant."""
+        pass, ``update_from_output``; then every per-step invariant. Under async
+        scheduling (:attr:`Variant.async_scheduling`), one call of vLLM's
+        ``EngineCore.step_with_batch_queue`` instead (see :meth:`_step_async`)."""
+        if self.variant.async_scheduling:
+            return self._step_async()
+        rec, out, step_began = self._schedule()
+        runner = self._execute(out, rec)
+        self._apply(out, runner, rec, step_began)
+        return rec
+
+    BATCH_QUEUE = 2
+    """vLLM's ``max_concurrent_batches`` under async scheduling (no pipeline
+    parallelism): one step in flight while the next is scheduled."""
+
+    def _step_async(self) -> StepRecord:
+        """``step_with_batch_queue`` of vLLM 0.32's engine core with a queue of two:
+        schedule a step and execute it (the worker side's connector calls and our
+        forward pass run when the executor gets it), and return without applying
+        anything while the queue has room and there is work; otherwise apply the
+        oldest step's output (``update_from_output``) and check the invariants. So
+        step N+1 is scheduled, and its worker calls run, before step N's output
+        reaches the scheduler. The scheduler is vLLM's ``AsyncScheduler``: a decode's
+        input token is a placeholder when it is scheduled, and our model runner,
+        like vLLM's, takes it from its own last sampled token (:meth:`_tokens`).
+
+        One liberty: with no request and nothing in flight, a step is still scheduled
+        (an empty one), as the synchronous harness does, so that drains and idle waits
+        see the worker's finished transfers."""
+        sched = self.scheduler
+        queue = self._queue
+        rec = StepRecord()
+        if sched.has_requests() or not queue:
+            rec, out, step_began = self._schedule()
+            runner = self._execute(out, rec)
+            queue.appendleft((out, runner, rec, step_began))
+            executed = out.total_num_scheduled_tokens > 0
+            if len(queue) < self.BATCH_QUEUE and (executed or sched.has_requests()):
+                return rec
+        out, runner, rec, step_began = queue.pop()
+        self._apply(out, runner, rec, step_began)
+        return rec
+
+    def _schedule(self) -> tuple[StepRecord, SchedulerOutput, float]:
         rec = StepRecord()
         sched = self.scheduler
         out = sched.schedule()
         self.steps += 1
         step_began = time.monotonic()
-        stats = sched.connector_prefix_cache_stats
-        if stats is not None:
-            rec.hits = stats.hits
-            rec.preempted_hits = stats.preempted_hits
-            rec.hits_by_source = dict(stats.hits_by_source)
         received = sched.finished_recving_kv_req_ids  # reported, not yet resumed
         for req_id, req in sched.requests.items():
             if (
@@ -418,6 +486,10 @@ class Engine:
                 and req_id not in received
             ):
                 self.loading[req_id] = float("inf")  # submitted below, this step
+        return rec, out, step_began
+
+    def _execute(self, out: SchedulerOutput, rec: StepRecord) -> ModelRunnerOutput:
+        """The worker side of one step: the connector's calls around our forward pass."""
         worker = self.worker
         meta = out.kv_connector_metadata
         assert meta is not None
@@ -445,8 +517,15 @@ class Engine:
         for req_id, since in self.loading.items():
             if since == float("inf"):
                 self.loading[req_id] = now
+        rec.scheduled = dict(out.num_scheduled_tokens)
+        rec.finished_sending = set(results.finished_sending or ())
+        rec.finished_recving = set(results.finished_recving or ())
+        rec.failed_recving = set(results.failed_recving or ())
+        rec.invalid_block_ids = set(invalid)
         req_ids = list(out.num_scheduled_tokens)
-        runner = ModelRunnerOutput(
+        for r, toks in sampled.items():
+            self._pending.setdefault(r, []).extend(toks)
+        return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=[sampled.get(r, []) for r in req_ids],
@@ -455,28 +534,52 @@ class Engine:
             pooler_output=None,
             kv_connector_output=kv_out,
         )
+
+    def _apply(
+        self, out: SchedulerOutput, runner: ModelRunnerOutput, rec: StepRecord, step_began: float
+    ) -> None:
+        """``update_from_output`` with one step's output, then the invariants."""
+        sched = self.scheduler
+        # The hits vLLM counted since its last stats (``update_from_output`` takes and
+        # resets them: under async scheduling, those of two schedules).
+        stats = sched.connector_prefix_cache_stats
+        if stats is not None:
+            rec.hits = stats.hits
+            rec.preempted_hits = stats.preempted_hits
+            rec.hits_by_source = dict(stats.hits_by_source)
+        self.total_hits += rec.hits
+        self.total_preempted_hits += rec.preempted_hits
+        before = {r: sched.requests[r].num_tokens for r in runner.req_ids if r in sched.requests}
         engine_outputs = sched.update_from_output(out, runner)
+        for r, toks in zip(runner.req_ids, runner.sampled_token_ids, strict=True):
+            if not toks:
+                continue
+            pending = self._pending.get(r, [])
+            del pending[: len(toks)]
+            if not pending:
+                self._pending.pop(r, None)
+            req = sched.requests.get(r)
+            if req is not None and req.num_tokens != before.get(r, -1) + len(toks):
+                # The scheduler dropped (some of) them: forget what was computed from
+                # the worker's view of its tokens.
+                self._prefix.pop(r, None)
+                self._want.pop(r, None)
         for outputs in engine_outputs.values():
             for o in outputs.outputs:
                 if o.finish_reason is not None:
                     self.finished.add(o.request_id)
-        rec.scheduled = dict(out.num_scheduled_tokens)
-        rec.finished_sending = set(results.finished_sending or ())
-        rec.finished_recving = set(results.finished_recving or ())
-        rec.failed_recving = set(results.failed_recving or ())
-        rec.invalid_block_ids = set(invalid)
-        self._recomputing = set(invalid)
-        self.total_hits += rec.hits
-        self.total_preempted_hits += rec.preempted_hits
+        self._recomputing = set(rec.invalid_block_ids)
         for req_id in list(self._prefix):
             if req_id not in sched.requests:
                 del self._prefix[req_id]
                 self._want.pop(req_id, None)
+        for req_id in list(self._pending):
+            if req_id not in sched.requests:
+                del self._pending[req_id]
         self.check_loads_end_once(rec)
         self.check_remote_wait_bounded(step_began)
         self.check_hit_sources(rec)
         self.check_computed_blocks_current()
-        return rec
 
     DRAIN_S = 30.0
     """Longest a drain waits (wall time) for the connector to give back finished
@@ -489,7 +592,7 @@ class Engine:
         their stores), steps are spaced by a millisecond."""
         deadline = time.monotonic() + self.DRAIN_S
         steps = 0
-        while self.scheduler.requests or self.scheduler.has_requests():
+        while self.scheduler.requests or self.scheduler.has_requests() or self._queue:
             if steps >= max_steps and time.monotonic() > deadline:
                 left = [(r, q.status.name) for r, q in self.scheduler.requests.items()]
                 _fail("drains", f"requests left after {steps} steps and {self.DRAIN_S} s: {left}")
