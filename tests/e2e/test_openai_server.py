@@ -303,6 +303,31 @@ def _loaded_all(text: str) -> bool:
     return (_metric(text, "vllm:kvoffload_prefetch_hits_total") or 0) >= STORED_BLOCKS
 
 
+def _write_config(tmp_path: Path) -> Path:
+    """The tests' kvoffload YAML: a cpu tier, then an mmap tier every stored block is
+    also written to (``write_through``). Under ``E2E_FAIL_EVERY_LOAD`` the cpu tier
+    fails every load (support/e2e.py): the tests' checks must fail then."""
+    config = tmp_path / "kvoffload.yaml"
+    first = "flakycpu\n    fail_reads: " + str(FAILING_READS) if SABOTAGE else "cpu"
+    config.write_text(
+        f"""\
+version: 1
+tiers:
+  - name: cpu
+    backend: {first}
+    capacity: 16MiB
+    max_pending_stores: 64
+  - name: disk
+    backend: mmap
+    path: {tmp_path / "disk"}
+    capacity: 64MiB
+    write_policy: write_through
+    max_pending_stores: 64
+"""
+    )
+    return config
+
+
 # --------------------------------------------------------------------------- the test
 def test_restarted_openai_server_serves_the_prefix_from_the_disk_tier(
     tmp_path: Path, start_server: Callable[[Path], Server]
@@ -318,28 +343,7 @@ def test_restarted_openai_server_serves_the_prefix_from_the_disk_tier(
     disk tier and loaded. The first server is stopped only once ``/metrics`` counts its
     16 blocks written to the disk tier, so the restart does not depend on how vLLM's
     shutdown treats writes still queued."""
-    config = tmp_path / "kvoffload.yaml"
-    config.write_text(
-        f"""\
-version: 1
-tiers:
-  - name: cpu
-    backend: cpu
-    capacity: 16MiB
-    max_pending_stores: 64
-  - name: disk
-    backend: mmap
-    path: {tmp_path / "disk"}
-    capacity: 64MiB
-    write_policy: write_through  # every stored block also goes to disk
-    max_pending_stores: 64
-"""
-    )
-    if SABOTAGE:  # every load fails: this test must fail (support/e2e.py)
-        text = config.read_text().replace(
-            "backend: cpu\n", f"backend: flakycpu\n    fail_reads: {FAILING_READS}\n", 1
-        )
-        config.write_text(text)
+    config = _write_config(tmp_path)
     timeline: list[str] = []
     t0 = time.monotonic()
 
@@ -444,28 +448,7 @@ def test_reset_external_serves_no_block_stored_before_it(
     (verified: their checksums are valid). Control: another prompt, stored after that
     reset, then a plain prefix-cache reset (vLLM's own cache only), is served from the
     tiers: 320 cached tokens, 10 blocks loaded, each a hit of the cpu tier."""
-    config = tmp_path / "kvoffload.yaml"
-    config.write_text(
-        f"""\
-version: 1
-tiers:
-  - name: cpu
-    backend: cpu
-    capacity: 16MiB
-    max_pending_stores: 64
-  - name: disk
-    backend: mmap
-    path: {tmp_path / "disk"}
-    capacity: 64MiB
-    write_policy: write_through
-    max_pending_stores: 64
-"""
-    )
-    if SABOTAGE:  # every load fails: the control's checks must fail (support/e2e.py)
-        text = config.read_text().replace(
-            "backend: cpu\n", f"backend: flakycpu\n    fail_reads: {FAILING_READS}\n", 1
-        )
-        config.write_text(text)
+    config = _write_config(tmp_path)
     server = start_server(config)
     server.wait_healthy()
     (first,) = _complete(server, [PROMPTS[0]])
