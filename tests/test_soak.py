@@ -1,8 +1,19 @@
-"""A short soak: ``kvoffload stress`` for 3 minutes over cpu -> mmap -> lmdb on the
-multi-turn workload, as a user runs it (the installed command, real files). Once
-warm (the first minute), resident memory may not grow by more than 5%, and open file
-descriptors and threads stay flat; every load stays bit-exact. The 30-minute run and
-its figures are in docs/reliability.md ("Soak")."""
+"""A short soak: ``kvoffload stress`` for a minute over cpu -> mmap -> lmdb on the
+multi-turn workload, as a user runs it (the installed command, real files). After a
+10-second warm-up (the small tiers are full and the hit rate steady from the first
+sample, 5 s in), resident memory, anonymous or not, may grow by at most
+``LEAK_BYTES_PER_BLOCK`` per block requested, and open file descriptors and threads
+stay flat; every load stays bit-exact. The 30-minute run and its figures are in
+docs/reliability.md ("Soak").
+
+Why a minute is enough: a leak costs bytes per operation, so what catches it is a
+bound on growth per block requested over the measured window, not the window's
+length. The 3-minute version of this test allowed 5% of the warm level over its last
+2 minutes: about 68 bytes of anonymous memory (and 113 of RSS) per block requested on
+the 2-core VM (213 MiB anonymous, 357 MiB RSS, some 165,000 blocks requested in those
+2 minutes). 64 bytes a block, for both, catches any leak that one caught, in a third
+of the time; the admission filter's bounded growth (docs/reliability.md) is about
+24 bytes a block."""
 
 from __future__ import annotations
 
@@ -15,8 +26,13 @@ import pytest
 import yaml
 from support.checkout import KVOFFLOAD
 
-SOAK_S = float(os.environ.get("SOAK_SECONDS", "180"))  # shorter for a quick look
-WARM_S = SOAK_S / 3
+SOAK_S = float(os.environ.get("SOAK_SECONDS", "60"))  # longer for a closer look
+WARM_S = 10.0
+LEAK_BYTES_PER_BLOCK = 64
+"""The growth allowed per block requested after the warm-up (see the docstring)."""
+MIN_SAMPLES = 8
+"""Samples (one each ``stress.RESOURCE_EVERY_S``, 5 s) after the warm-up: a trend, not a
+single reading."""
 POOL_BOUND = 512 * 1024**2 + 3 * 16 * 1024**2
 """What the host buffer pools may hold: the data path's kept staging (its
 ``Buffers.KEEP_BYTES``) and the LMDB tier's three pack chunks."""
@@ -52,7 +68,7 @@ def soak_config(tmp: Path) -> dict[str, object]:
 
 
 @pytest.mark.slow
-def test_three_minutes_of_stress_hold_memory_fds_and_threads_flat(tmp_path: Path) -> None:
+def test_a_minute_of_stress_holds_memory_fds_and_threads_flat(tmp_path: Path) -> None:
     cfg = tmp_path / "soak.yaml"
     cfg.write_text(yaml.safe_dump(soak_config(tmp_path)))
     out = tmp_path / "soak.json"
@@ -63,7 +79,7 @@ def test_three_minutes_of_stress_hold_memory_fds_and_threads_flat(tmp_path: Path
             "--config",
             str(cfg),
             "--ops",
-            "1000000000",
+            "1000000000",  # never reached: the run ends at --duration
             "--duration",
             str(SOAK_S),
             "--json",
@@ -78,21 +94,25 @@ def test_three_minutes_of_stress_hold_memory_fds_and_threads_flat(tmp_path: Path
     report = json.loads(out.read_text())
     assert report["integrity_errors"] == 0
     samples = report["resources"]
-    assert samples[-1]["t"] >= SOAK_S * 0.95, "the run ended early"
     warm = next(s for s in samples if s["t"] >= WARM_S)
     later = [s for s in samples if s["t"] > warm["t"]]
-    assert later, "no sample after the first minute"
+    assert len(later) >= MIN_SAMPLES, f"{len(later)} samples after the warm-up"
     # The host buffer pools grow to a high-water mark whenever more jobs than ever
-    # run at once, which may first happen after the first minute (a step of 8-16 MiB
-    # at 77 s in one CI run): bounded by design, and resident from allocation, so
-    # they are taken out of the comparison and checked against their bound instead.
+    # run at once, which may first happen late (a step of 8-16 MiB at 77 s in one CI
+    # run): bounded by design, and resident from allocation, so they are taken out of
+    # the comparison and checked against their bound instead.
+    blocks = later[-1]["requested"] - warm["requested"]
+    allowed = LEAK_BYTES_PER_BLOCK * blocks
     for kind in ("rss_bytes", "rss_anon_bytes"):
-        peak = max(s[kind] - s["pooled_bytes"] for s in later)
         base = warm[kind] - warm["pooled_bytes"]
-        assert peak <= base * 1.05, (
-            f"{kind} less the pools grew from {base} to {peak} after warm-up"
+        grown = max(s[kind] - s["pooled_bytes"] for s in later) - base
+        assert grown <= allowed, (
+            f"{kind} less the pools grew {grown} B in the {blocks} blocks requested after"
+            f" warm-up: {grown / blocks:.0f} B a block, over {LEAK_BYTES_PER_BLOCK}"
         )
     assert max(s["pooled_bytes"] for s in samples) <= POOL_BOUND
     assert max(s["open_fds"] for s in later) <= warm["open_fds"] + 2
     assert max(s["threads"] for s in later) <= warm["threads"] + 2
-    assert report["blocks_loaded"] > 0  # the tiers served hits throughout
+    # The tiers served hits throughout (how many depends on the machine's speed: the
+    # run is bounded by time, not by a count of requests).
+    assert later[-1]["loaded"] > warm["loaded"]
