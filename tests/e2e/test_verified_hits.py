@@ -12,9 +12,11 @@ test kills its engines):
 - an I/O error in the cpu tier at load time, the one late path left (the test
   plugin's ``flakycpu`` backend): recomputed under ``"recompute"``, a failed request
   under ``"fail"``;
-- ``kill -9`` of a whole engine process group while it stores, five times: every
-  restart is served the stored prefix from the disk, with outputs equal to the
-  reference, and ``kvoffload verify`` finds nothing it cannot repair;
+- ``kill -9`` of a whole engine process group while it stores, five times (``fsync``
+  on and off): every store its disk tier acknowledged (the test plugin's ``ackmmap``
+  logs them) is held and intact after the kill, every restart is served the stored
+  prefix from the disk, with outputs equal to the reference, and ``kvoffload verify``
+  finds nothing it cannot repair;
 - 1000 requests aborted before their load: no pins, holds or prefetches are left.
 
 Several engines run one after the other in one spec (its ``engines`` key): each is a
@@ -40,7 +42,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from kvoffload.backends.mmap import ALIGN, MmapBackend
+from kvoffload_testplugin import read_ack_log
 from support.e2e import (
     BATCH,
     BATCH_BLOCKS,
@@ -58,7 +62,10 @@ from support.e2e import (
     write_spec,
 )
 
+from kvoffload.config import KVOffloadConfig, MmapTierConfig
+from kvoffload.keys import BlockKey
 from kvoffload.record import HEADER_BYTES, HEADER_DTYPE, MAGIC
+from kvoffload.tier import build_tiers
 
 pytestmark = pytest.mark.slow  # real vLLM engines
 # Without vLLM these modules skip; under CI=true that fails the run (support/ci_rules.py).
@@ -240,7 +247,10 @@ def test_corrupt_disk_tier_never_fails_a_request(
             assert result["failed"] == 0, f"{policy} seed {seed}: {failures(result)}\n{report}"
             assert outputs(result) == reference, f"{policy} seed {seed}\n{report}"
     # The damage must have been met, or this test proved nothing; and the damaged
-    # tiers still served their intact blocks.
+    # tiers still served their intact blocks. No exact counts: a prefetch reads a
+    # prompt's blocks up to its first bad one, and which prompt's lookup (of four
+    # sharing a prefix) is answered first, in which step, decides which blocks are
+    # read, and so how many bad ones are met and how many good ones loaded.
     corrupt = sum(r["kvoffload"]["tier.disk.corrupt_blocks"] for r in failing)
     assert corrupt > 0, report
     assert sum(r["kvoffload"]["prefetched_blocks"] for r in failing) > 0, report
@@ -248,19 +258,29 @@ def test_corrupt_disk_tier_never_fails_a_request(
     counted = [r["kvoffload"] for r in failing + recomputing if r["kvoffload"]]
     assert len(counted) == 2 * len(seeds) - 1, report  # all but the multi-process one
     assert all(c["load_errors"] == 0 for c in counted), report
+    # Not exact either, for the same reason.
     assert sum(c["blocks_loaded"] for c in counted[len(seeds) :]) > 0, report
 
 
 # ----------------------------------------------------------------- the late path
+FAILED_READ_BLOCKS = 13 + 2
+"""The blocks of ``flakycpu``'s two failed reads in the batch's repeat: the first
+request's (the shared 11-block prefix and its own 2), then the second's own 2."""
+
+
 def test_cpu_tier_read_error_at_load(
     engines: EngineServer, tmp_path: Path, reference: list[list[int]]
 ) -> None:
     """The one way a load can still fail: an I/O error reading the cpu tier (the test
     plugin's ``flakycpu`` backend fails its first two non-empty reads). The batch runs
     twice (vLLM's prefix cache reset in between), so the second round loads from the
-    tier. Under ``"recompute"`` the failed blocks are recomputed: outputs equal the
-    reference, no request fails, load errors are counted. Under ``"fail"`` (vLLM's
-    default) the requests whose load failed fail, and only those.
+    tier: one read per request, in the batch's order. The first request reads its 13
+    blocks (the shared 11-block prefix and its own 2), the next its own 2: both reads
+    fail (15 blocks); the other three read theirs (2, 2 and 9: 13 blocks). Under
+    ``"recompute"`` the failed blocks are recomputed: outputs equal the reference, no
+    request fails, exactly those load errors are counted. Under ``"fail"`` (vLLM's
+    default) the requests whose blocks failed fail, and only those: the first two,
+    and the two others over the first one's prefix.
 
     A third engine, in vLLM's default multi-process mode under ``"fail"``, has every
     read fail: every request of the repeat fails. That is what the tests that run in
@@ -293,8 +313,8 @@ def test_cpu_tier_read_error_at_load(
     assert outputs(recompute, 0) == reference
     assert outputs(recompute, 1) == reference, json.dumps(c)
     assert recompute["failed"] == 0, failures(recompute)
-    assert c["load_errors"] > 0, json.dumps(c)
-    assert c["blocks_loaded"] > 0, json.dumps(c)  # the later reads served their hits
+    assert c["load_errors"] == FAILED_READ_BLOCKS, json.dumps(c)
+    assert c["blocks_loaded"] == BATCH_BLOCKS - FAILED_READ_BLOCKS, json.dumps(c)
 
     keys = ("blocks_loaded", "load_errors", "tier.cpu.hits")
     print(
@@ -311,10 +331,13 @@ def test_cpu_tier_read_error_at_load(
         [r["finish_reason"] for r in fail["rounds"][1]],
     )
     assert outputs(fail, 0) == reference  # nothing to load yet: nothing fails
-    assert c["load_errors"] > 0, json.dumps(c)
+    assert c["load_errors"] == FAILED_READ_BLOCKS, json.dumps(c)
+    assert c["blocks_loaded"] == BATCH_BLOCKS - FAILED_READ_BLOCKS, json.dumps(c)
     second = fail["rounds"][1]
+    # The prompts over the shared prefix fail (its blocks were in the first failed
+    # read); the fifth, of its own, does not.
+    assert [r["failed"] for r in second] == [True] * 4 + [False], json.dumps(second)
     failed = [r for r in second if r["failed"]]
-    assert failed, json.dumps(second)
     assert all(r["finish_reason"] == "error" for r in failed), json.dumps(failed)
     for got, want in zip(second, reference, strict=True):
         if not got["failed"]:
@@ -346,11 +369,19 @@ def test_disk_faults_and_hangs_never_fail_a_request(
        reads it: the load is abandoned and its blocks recomputed.
 
     Every run: no failed request, outputs equal to the reference, the faults counted
-    where they hit. Runs 3 and 4 must finish well inside the hangs they would add
-    up to if a step waited for them."""
+    where they hit. After run 2 the disk holds the whole batch (28 blocks: run 2
+    stores what run 1's faults kept out), so in run 3 each of the 5 requests'
+    claims stops waiting and loads nothing, and in run 4 every one of the 28 blocks'
+    loads is abandoned and recomputed: neither run takes anything from the hung reads,
+    which a step that waited for them would have."""
     disk = tmp_path / "disk"
-    write_faults = {"write_error": 0.2, "enospc": 0.1, "short_write": 0.2, "slow": 0.2}
-    hang = {"read_hang": 1.0, "hang_s": 3.0}
+    write_faults: dict[str, Any] = {
+        "write_error": 0.2,
+        "enospc": 0.1,
+        "short_write": 0.2,
+        "slow": 0.2,
+    }
+    hang: dict[str, Any] = {"read_hang": 1.0, "hang_s": 3.0}
     runs = [
         {"kvoffload": _faulty_tiers(disk, **write_faults, seed=1)},
         {"kvoffload": _faulty_tiers(disk, read_error=0.3, slow=0.3, seed=2)},
@@ -385,28 +416,44 @@ def test_disk_faults_and_hangs_never_fail_a_request(
         assert result["failed"] == 0, f"engine {i + 1}: {failures(result)}\n{report}"
         assert outputs(result) == reference, f"engine {i + 1}\n{report}"
     stored, read, hung, first = counts
+    # Every block of the batch reached the disk's store, and was stored or failed with
+    # its write (a failed write fails all its blocks). The split is not exact: faults
+    # are drawn per write call, and how the stores are batched into calls follows the
+    # engine's steps.
+    written = stored["tier.disk.store_errors"] + stored["tier.disk.blocks_stored"]
+    assert written == BATCH_BLOCKS, report
     assert stored["tier.disk.store_errors"] > 0, report  # the write faults hit
     assert stored["tier.disk.blocks_stored"] > 0, report  # and some stores got through
+    # Not exact either: what run 2 can prefetch is what run 1 stored, and its read
+    # faults are drawn per call too.
     assert read["prefetched_blocks"] + read["prefetch_failed"] > 0, report
     # What the read faults left intact was served: prefetched into the cpu tier and
     # loaded from there, without a load error.
     assert read["blocks_loaded"] > 0, report
     assert read["load_errors"] == 0, report
-    assert hung["prefetch_late"] > 0, report
+    assert hung["prefetch_late"] == len(BATCH), report  # every request's claim
     assert hung["blocks_loaded"] == 0, report  # nothing came up in time: all recomputed
-    assert first["load_timeouts"] > 0, report
-    assert first["load_errors"] >= first["load_timeouts"], report
+    assert first["load_timeouts"] == BATCH_BLOCKS, report  # every block's load abandoned
+    assert first["load_errors"] == first["load_timeouts"], report
+    assert first["blocks_loaded"] == 0, report
 
 
 def test_a_hanging_store_never_holds_the_engine(
     engines: EngineServer, tmp_path: Path, reference: list[list[int]]
 ) -> None:
-    """An empty disk as the only tier, every call into it hanging 3 s, and
+    """An empty disk as the only tier, every call into it hanging 10 s, and
     ``store_timeout_ms`` 300: each store hands the engine its blocks back once it has
     read them (the write then hangs on its lane), and the stores queued behind a hung
     write are abandoned at their deadline, so finished requests' blocks are freed and
-    no request waits for a disk. No request fails, outputs equal the reference."""
-    engine = {"kvoffload": _faulty_tiers(tmp_path / "disk", cpu=False, hang=1.0, hang_s=3.0)}
+    no request waits for a disk. No request fails, outputs equal the reference.
+
+    Checked by order and counts: the first request's store (13 blocks) is read, its
+    write hangs; the other 48 of the 61 blocks the requests submit (each request its
+    own full blocks) queue behind it and are abandoned. Every request finished, and
+    vLLM's prefix cache was reset (every block of theirs freed), while that write
+    still hung: at idle the disk had stored nothing; after shutdown (the Offloader
+    closes after its queued jobs), the 13 blocks."""
+    engine = {"kvoffload": _faulty_tiers(tmp_path / "disk", cpu=False, hang=1.0, hang_s=10.0)}
     engine["kvoffload"]["config"].update(load_timeout_ms=300, store_timeout_ms=300)
     t0 = time.monotonic()
     (result,) = engines.results(
@@ -415,6 +462,7 @@ def test_a_hanging_store_never_holds_the_engine(
     seconds = time.monotonic() - t0
     c = result["kvoffload"]
     report = (
+        f"at idle: stored={result['kvoffload_at_idle'].get('tier.disk.blocks_stored')}; "
         f"store_timeouts={c.get('store_timeouts')} submitted="
         f"{c.get('blocks_submitted_for_store')} stored={c.get('tier.disk.blocks_stored')} "
         f"store_errors={c.get('tier.disk.store_errors')} in {seconds:.0f} s"
@@ -422,9 +470,18 @@ def test_a_hanging_store_never_holds_the_engine(
     print(report)
     assert result["failed"] == 0, f"{failures(result)}\n{report}"
     assert outputs(result) == reference, report
-    assert c["blocks_submitted_for_store"] >= BATCH_BLOCKS, report
-    assert c["store_timeouts"] > 0, report  # queued behind a hung write: abandoned
-    assert c["store_timeouts"] < c["blocks_submitted_for_store"], report  # some were read
+    first = len(BATCH[0]) // BLOCK  # the first request's store: read, its write hung
+    assert c["blocks_submitted_for_store"] == sum(len(p) // BLOCK for p in BATCH), report
+    # Queued behind the hung write: abandoned.
+    assert c["store_timeouts"] == c["blocks_submitted_for_store"] - first, report
+    assert result["resets"] == [True], report  # every block of the requests freed
+    idle = result["kvoffload_at_idle"]
+    assert idle["store_timeouts"] == c["store_timeouts"], report
+    assert idle["tier.disk.blocks_stored"] == 0, report  # the write still hung
+    assert c["tier.disk.blocks_stored"] == first, report  # it ended at shutdown
+    # The tier's view: the batch's distinct blocks, less the first request's, were in
+    # the abandoned stores.
+    assert c["tier.disk.store_errors"] == BATCH_BLOCKS - first, report
 
 
 # ----------------------------------------------------------------- kill -9
@@ -475,6 +532,9 @@ disk tier has room for all that five engines can store."""
 KILL_DISK = "128MiB"
 """Room for the check round and five workloads (about 4,500 blocks of 16 KiB, plus each
 slot's header), so that nothing is ever evicted."""
+HANG_GUARD_S = 600.0
+"""How long a wait for an engine may take before the test gives up on it: a guard
+against a hang, not a measure (no assertion is made on any elapsed time)."""
 
 
 def _start_engine(
@@ -510,10 +570,115 @@ def _start_engine(
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
-    deadline = time.monotonic() + 600
+    deadline = time.monotonic() + HANG_GUARD_S
     while not seen.wait(0.2) and proc.poll() is None and time.monotonic() < deadline:
         pass
     return lines, proc, first[0] if first else None, reader
+
+
+def _acks(log: Path) -> int:
+    """Stores an ``ackmmap`` tier has acknowledged so far: whole lines of its log."""
+    try:
+        return log.read_bytes().count(b"\n")
+    except FileNotFoundError:
+        return 0
+
+
+def _wait_for_acks(log: Path, proc: subprocess.Popen[str], lines: list[str], want: int) -> int:
+    """Wait until the engine's ``ackmmap`` tier has acknowledged ``want`` stores (lines
+    of ``log``), or, with one acknowledged, the engine holds (its workload done: no
+    more stores come); then how many it has. Raises if the engine ends first, or
+    nothing comes within the hang guard."""
+    deadline = time.monotonic() + HANG_GUARD_S
+    while True:
+        n = _acks(log)
+        if n >= want or (n and any(line.startswith("E2E-HOLD") for line in lines)):
+            return n
+        if proc.poll() is not None:
+            raise AssertionError(f"the engine ended ({proc.returncode}) with {n} stores acked")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{n} of {want} stores acked after {HANG_GUARD_S:.0f} s")
+        time.sleep(0.005)
+
+
+def _disk_config(path: Path) -> MmapTierConfig:
+    """The kill test's disk tier at ``path``, as the built-in ``mmap`` backend."""
+    return MmapTierConfig(name="disk", path=str(path), capacity=KILL_DISK)
+
+
+def _lost_acknowledged(
+    path: Path, acked: dict[BlockKey, int]
+) -> tuple[list[BlockKey], list[BlockKey]]:
+    """Reopen the disk tier at ``path`` here, as the next engine would (the built-in
+    ``mmap`` backend, its blocks recovered from the header tables; opened as written,
+    reading nothing into its LRU order, like ``kvoffload verify``), and read back every
+    block of ``acked`` (key -> the engine whose tier acknowledged its store). Returns
+    the acknowledged blocks it lost: those it does not hold, and those it holds but
+    cannot serve intact (the read checks key, layout and payload checksum)."""
+    conf = _disk_config(path)
+    layout = MmapBackend.stored_layout(conf)
+    existing = MmapBackend.existing_config(conf, write=False)
+    assert layout is not None, f"nothing written at {path}"
+    assert existing is not None, f"nothing written at {path}"
+    backend = MmapBackend(existing, layout)
+    backend.record_access = False
+    try:
+        held = {b.key: b.slot for b in backend.recover()}
+        missing = [k for k in acked if k not in held]
+        present = [k for k in acked if k in held]
+        invalid: list[BlockKey] = []
+        for start in range(0, len(present), 256):
+            chunk = present[start : start + 256]
+            buf = torch.empty((len(chunk), layout.bytes_per_block), dtype=torch.uint8)
+            valid = backend.read([held[k] for k in chunk], chunk, buf)
+            invalid += [k for k, ok in zip(chunk, valid, strict=True) if not ok]
+    finally:
+        backend.close()
+    return missing, invalid
+
+
+def _check_acknowledged(path: Path, acked: dict[BlockKey, int]) -> None:
+    """Guarantee 2 (docs/reliability.md): every store an engine's tier acknowledged
+    survives the kill, read back intact. The disk tier has room for everything, so no
+    block may be missing, not even as a clean miss. Raises naming each block lost."""
+    missing, invalid = _lost_acknowledged(path, acked)
+    if missing or invalid:
+
+        def named(keys: list[BlockKey]) -> str:
+            return ", ".join(f"{k.hex()} (engine {acked[k]})" for k in keys)
+
+        raise AssertionError(
+            f"{len(missing) + len(invalid)} of {len(acked)} acknowledged blocks lost: "
+            f"not held: [{named(missing)}]; held but not intact: [{named(invalid)}]"
+        )
+
+
+def _lose_two(src: Path, dst: Path, dropped: BlockKey, torn: BlockKey) -> None:
+    """A copy of the tier at ``src`` in ``dst`` that has lost two blocks: ``dropped``
+    through the tier's own API (as if its store had never returned), and ``torn`` by
+    one payload byte flipped in its slot (as if its store had been cut short)."""
+    shutil.copytree(src, dst)
+    conf = _disk_config(dst)
+    layout = MmapBackend.stored_layout(conf)
+    assert layout is not None
+    (tier,) = build_tiers(KVOffloadConfig(tiers=[conf]), layout)
+    try:
+        assert tier.manager.holds(dropped)
+        (slot,) = tier.manager.prepare_load([torn])  # where its payload is
+        tier.manager.complete_load([torn])
+        tier.drop([dropped])
+    finally:
+        tier.close()
+    (slab,) = dst.glob("slab-*.kvo")  # 128 MiB: one file
+    meta = MmapBackend.read_superblock(slab)
+    assert meta is not None
+    assert slot < meta["num_slots"]
+    table = (meta["num_slots"] * HEADER_BYTES + ALIGN - 1) // ALIGN * ALIGN
+    with open(slab, "r+b") as f:
+        f.seek(ALIGN + table + slot * meta["stride"])
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0xFF]))
 
 
 def test_kill_9_while_storing_then_restart_and_verify(
@@ -522,21 +687,31 @@ def test_kill_9_while_storing_then_restart_and_verify(
     """A check round is stored on cpu -> mmap (write_through, fsync) by an engine that
     exits cleanly. Then, five times, an engine over the same tiers runs the check round
     and round after round of new prompts (every step stores blocks), and its whole
-    process group is killed with SIGKILL at a random moment of that workload: just
-    after one of its rounds (drawn at random, seeded), while that round's stores are
-    in flight and the next round runs. A last engine exits cleanly.
+    process group is killed with SIGKILL at a random moment of that workload (seeded):
+    after one of its rounds, once its disk tier has acknowledged 1 to 5 stores more
+    (each round makes 6), so while the next round's stores are being written. A last
+    engine exits cleanly.
+
+    The killed engines' disk tier is the test plugin's ``ackmmap``: the built-in mmap
+    tier, which logs the keys of every store that has returned. Engines 1, 3 and 5 run
+    it with ``fsync`` on, 2 and 4 with it off (guarantee 2 promises both). After each
+    kill, before the next engine starts, the tier is reopened here and every block
+    acknowledged by any killed engine so far must be held and read back intact
+    (:func:`_check_acknowledged`); after the last engine, once more. A copy of the
+    final tier that lost one acknowledged block (dropped), and one torn (a payload
+    byte flipped), must fail that same check, naming exactly those two.
 
     The guarantee, whatever the machine's speed: the disk tier has room for every
     block the engines can store (their workloads are bounded, and an engine that ends
-    its workload before the kill holds until it comes), so nothing is evicted, and
-    each restarted engine is served the check round's every full block from the disk,
-    through the crashes before it, with outputs equal to the reference. Loads run
-    under vLLM's default ``kv_load_failure_policy`` (``"fail"``), where a failed load
-    fails its request. After each kill ``kvoffload verify`` reads every block: exit 0,
-    or 1 with corrupt blocks that ``--repair`` (on a copy, so the next engine meets the
-    crash's state) discards, after which a second ``verify`` finds none. The first
-    killed engine runs in vLLM's default multi-process mode, the others in one
-    process."""
+    its workload before the kill holds until it comes), so nothing is evicted (no
+    acknowledged block may be missing, not even as a clean miss), and each restarted
+    engine is served the check round's every full block from the disk, through the
+    crashes before it, with outputs equal to the reference. Loads run under vLLM's
+    default ``kv_load_failure_policy`` (``"fail"``), where a failed load fails its
+    request. After each kill ``kvoffload verify`` reads every block: exit 0, or 1 with
+    corrupt blocks that ``--repair`` (on a copy, so the next engine meets the crash's
+    state) discards, after which a second ``verify`` finds none. The first killed
+    engine runs in vLLM's default multi-process mode, the others in one process."""
     rng = random.Random(10)
     tier_dir = tmp_path / "ssd"
     tiers = connector_tiers("mmap", tier_dir, capacity=KILL_DISK)
@@ -564,6 +739,13 @@ def test_kill_9_while_storing_then_restart_and_verify(
             for r in range(KILL_ROUNDS)
         ]
 
+    def acking(engine: int, log: Path) -> dict[str, Any]:
+        """The tiers, their disk ``ackmmap`` logging to ``log``, fsync on odd engines."""
+        conf: dict[str, Any] = copy.deepcopy(tiers)
+        disk = conf["config"]["tiers"][1]
+        disk.update(backend="ackmmap", ack_log=str(log), fsync=engine % 2 == 1)
+        return conf
+
     # The connector's Unix sockets go to $TMPDIR; a killed engine leaves its socket
     # file behind, so give the engines a short-lived one of their own (short: a
     # socket path has at most 107 bytes).
@@ -572,33 +754,39 @@ def test_kill_9_while_storing_then_restart_and_verify(
     kills = 5
     served = []
     timeline = []
+    acked: dict[BlockKey, int] = {}  # every acknowledged key -> the engine
+    per_engine: list[str] = []
     t0 = time.monotonic()
     for engine in range(1, kills + 2):
         last = engine == kills + 1
         env = {**os.environ, **engine_env(single_process=engine != 1), "TMPDIR": str(sockets)}
         timeline.append(f"{time.monotonic() - t0:6.1f} s: engine {engine} starts")
+        ack_log = tmp_path / f"acks-{engine}.log"
         spec = write_spec(
             tmp_path,
-            kvoffload=tiers,
+            kvoffload=tiers if last else acking(engine, ack_log),
             rounds=[check] + ([] if last else workload(engine)),
             hold=not last,
         )
-        # A random moment of the workload: just after the end of one of its rounds but
-        # the last, when that round's stores are in flight and the next round runs.
+        # A random moment of the workload: after one of its rounds but the last (drawn
+        # at random), 1 to 5 stores (of 6) into the next round's: while that round's
+        # stores are being written.
         at = None if last else rng.randrange(1, KILL_ROUNDS)
         lines, proc, checked, reader = _start_engine(tmp_path, spec, env, at)
         try:
             if not last and checked is not None:
-                delay = rng.uniform(0.0, 0.05)
-                time.sleep(delay)
+                base = _acks(ack_log)
+                more = rng.randint(1, 5)
+                seen = _wait_for_acks(ack_log, proc, lines, base + more)
                 assert proc.poll() is None, "the engine ended before it was killed"
                 os.killpg(proc.pid, signal.SIGKILL)
                 done = sum(line.startswith("E2E-ROUND") for line in lines) - 1
                 timeline.append(
-                    f"{time.monotonic() - t0:6.1f} s: killed {delay * 1000:.0f} ms after round "
-                    f"{at} of {KILL_ROUNDS} of its workload ({done} seen done)"
+                    f"{time.monotonic() - t0:6.1f} s: killed after round {at} of "
+                    f"{KILL_ROUNDS} of its workload ({done} seen done), {base} stores acked "
+                    f"at its end, then {seen} (waited for {base + more})"
                 )
-            proc.wait(timeout=600)
+            proc.wait(timeout=HANG_GUARD_S)
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -617,6 +805,23 @@ def test_kill_9_while_storing_then_restart_and_verify(
         assert not any(r["failed"] for r in checked), checked
         served.append([r["cached"] for r in checked])
 
+        # What this engine's tier acknowledged (a line the kill cut short does not
+        # count), then every acknowledged block so far: held, and read back intact.
+        if not last:
+            stores = read_ack_log(ack_log)
+            mine = {k for keys in stores for k in keys}
+            assert mine, f"engine {engine}: killed before any store returned"
+            assert not mine & acked.keys(), f"engine {engine}: keys another engine stored"
+            acked.update(dict.fromkeys(mine, engine))
+            per_engine.append(
+                f"engine {engine} (fsync {'on' if engine % 2 else 'off'}): "
+                f"{len(stores)} stores, {len(mine)} blocks acknowledged"
+            )
+        _check_acknowledged(tier_dir, acked)
+        timeline.append(
+            f"{time.monotonic() - t0:6.1f} s: all {len(acked)} acknowledged blocks intact"
+        )
+
         # Whatever the crash (or the clean exit) left, verify classifies every block;
         # what it finds corrupt, --repair discards.
         rc, report, out = _verify(tmp_path, config)
@@ -627,11 +832,11 @@ def test_kill_9_while_storing_then_restart_and_verify(
         timeline.append(f"{time.monotonic() - t0:6.1f} s: verified {counts}")
         if not counts["corrupt"]:
             continue  # nothing to repair
-        copy = tmp_path / "repaired"
-        shutil.rmtree(copy, ignore_errors=True)
-        shutil.copytree(tier_dir, copy)
+        copy_dir = tmp_path / "repaired"
+        shutil.rmtree(copy_dir, ignore_errors=True)
+        shutil.copytree(tier_dir, copy_dir)
         copy_config = _tier_yaml(
-            tmp_path / "repaired.yaml", connector_tiers("mmap", copy, capacity=KILL_DISK)
+            tmp_path / "repaired.yaml", connector_tiers("mmap", copy_dir, capacity=KILL_DISK)
         )
         rc, fixed, out = _verify(tmp_path, copy_config, "--repair")
         assert rc == 0, out
@@ -640,9 +845,24 @@ def test_kill_9_while_storing_then_restart_and_verify(
         assert rc == 0, out
         assert again["disk"]["corrupt"] == 0, out
         assert again["disk"]["ok"] == again["disk"]["blocks"] == fixed["disk"]["ok"], out
-    print("\n".join(timeline), "\nserved per engine:", served)
+    print("\n".join(timeline), "\nserved per engine:", served, "\n" + "\n".join(per_engine))
     # Every restart: the check round's every full block, from the disk.
     assert served == [[full] * len(check)] * (kills + 1), served
+
+    # The check fails when an acknowledged store is lost: a copy of the tier that lost
+    # one of engine 1's blocks (dropped) and one of engine 5's (torn).
+    order = list(acked)
+    dropped = next(k for k in order if acked[k] == 1)
+    torn = next(k for k in reversed(order) if acked[k] == kills)
+    lossy = tmp_path / "lossy"
+    _lose_two(tier_dir, lossy, dropped, torn)
+    assert _lost_acknowledged(lossy, acked) == ([dropped], [torn])
+    with pytest.raises(AssertionError, match=f"2 of {len(acked)} acknowledged blocks lost") as e:
+        _check_acknowledged(lossy, acked)
+    assert f"[{dropped.hex()} (engine 1)]" in str(e.value), e.value
+    assert f"[{torn.hex()} (engine {kills})]" in str(e.value), e.value
+    _check_acknowledged(tier_dir, acked)  # the original: untouched
+    print(f"lossy copy: lost {dropped.hex()} (dropped) and {torn.hex()} (torn): both named")
 
 
 # ----------------------------------------------------------------- aborts
@@ -715,6 +935,7 @@ def test_aborted_requests_leave_no_pins_holds_or_prefetches(
         others = {k: v for k, v in health.items() if k not in ("pinned", "problems")}
         assert not any(others.values()), detail
         # The disk tier was asked: prefetches ran (or were in flight when aborted).
+        # How many had run by the abort follows the lookups' own thread: no exact count.
         before = run["health_before_abort"]
         assert run["counters"]["prefetched_blocks"] > 0 or before["prefetches"] > 0, detail
     # One step: the lookups answered "not yet" (a prefetch can finish within that step,
@@ -727,7 +948,9 @@ def test_aborted_requests_leave_no_pins_holds_or_prefetches(
     before = first["health_before_abort"]
     assert before["claims"] + before["holds"] > 0, json.dumps(first)
     assert first["finished_before_abort"] < first["submitted"], json.dumps(first)
+    # How many had loaded by the fourth step follows the lookups' thread: not exact.
     assert results[2]["abort"]["counters"]["blocks_loaded"] > 0, json.dumps(results[2]["abort"])
-    # In the background: requests were waiting for their loads when aborted.
+    # In the background: requests were waiting for their loads when aborted (how
+    # many, again, follows the lookups' thread).
     last = results[3]["abort"]
     assert last["counters"]["loads_in_background"] > 0, json.dumps(last)

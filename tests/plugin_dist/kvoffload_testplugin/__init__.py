@@ -4,11 +4,15 @@
 - ``flakycpu``: the built-in cpu tier, with read failures injected on purpose (an I/O
   error where the engine loads from), for the end-to-end tests of the late load path;
 - ``faultymmap``: the built-in mmap tier inside :class:`kvoffload.testing.FaultyBackend`,
-  its faults set in the tier's config, for the end-to-end tests under disk faults.
+  its faults set in the tier's config, for the end-to-end tests under disk faults;
+- ``ackmmap``: the built-in mmap tier, which appends the keys of every store that has
+  returned to a log file (``ack_log``), for the end-to-end ``kill -9`` test: what a
+  killed engine's tier acknowledged, checked after a reopen.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Sequence
 from typing import Literal
@@ -141,3 +145,63 @@ class FaultyMmapBackend(FaultyBackend):
     @classmethod
     def slot_bytes(cls, layout: KVLayout) -> int:
         return MmapBackend.slot_bytes(layout)
+
+
+class AckMmapTierConfig(MmapTierConfig):
+    """The mmap tier's settings, plus the file its acknowledged stores are logged to."""
+
+    backend: Literal["ackmmap"] = "ackmmap"  # type: ignore[assignment]
+    """Selects this backend."""
+    ack_log: str = Field(min_length=1)
+    """A file each returned store appends one line to: ``ACK <n> <key hex>...``."""
+
+
+ACK_TAG = "ACK"
+
+
+def read_ack_log(path: str | os.PathLike[str]) -> list[list[BlockKey]]:
+    """The stores an ``ackmmap`` tier acknowledged in ``path``, one list of keys per
+    store, in order. A last line cut short by a kill (no newline, or fewer keys than it
+    announces) was never fully written, so it does not count; any other bad line
+    raises."""
+    with open(path, "rb") as f:
+        text = f.read().decode()
+    lines = text.split("\n")
+    stores: list[list[BlockKey]] = []
+    for i, line in enumerate(lines[:-1]):  # the part after the last newline: cut short
+        tag, count, *keys = line.split(" ")
+        if tag != ACK_TAG or int(count) != len(keys):
+            raise ValueError(f"{path}: line {i + 1} is not an acknowledgement: {line[:200]!r}")
+        stores.append([BlockKey(bytes.fromhex(k)) for k in keys])
+    return stores
+
+
+class AckMmapBackend(MmapBackend):
+    """A real :class:`MmapBackend` (the same files, reopened as ``mmap`` as well) whose
+    every ``write`` that returns appends ``ACK <n> <key hex>...`` to ``ack_log``: one
+    ``os.write`` on an ``O_APPEND`` descriptor, after the payloads and headers are
+    written (and, with ``fsync`` on, flushed). A line is thus logged only for a store
+    that has returned, and whole or cut short, never interleaved with another's."""
+
+    config_model = AckMmapTierConfig  # type: ignore[assignment]
+
+    def __init__(self, config: TierConfig, layout: KVLayout) -> None:
+        assert isinstance(config, AckMmapTierConfig)
+        self._ack_fd: int | None = None
+        super().__init__(config, layout)
+        self._ack_fd = os.open(config.ack_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def write(self, slots: Sequence[int], keys: Sequence[BlockKey], src: torch.Tensor) -> None:
+        super().write(slots, keys, src)
+        fd = self._ack_fd
+        if keys and fd is not None:
+            line = " ".join([ACK_TAG, str(len(keys)), *(k.hex() for k in keys)])
+            data = (line + "\n").encode()
+            if os.write(fd, data) != len(data):
+                raise BackendError(f"tier {self.name!r}: short write to its ack log")
+
+    def close(self) -> None:
+        super().close()
+        fd, self._ack_fd = self._ack_fd, None
+        if fd is not None:
+            os.close(fd)
