@@ -1,5 +1,5 @@
 """Issue 22, end to end: a hit is loaded only when loading beats recomputing it, and a
-tier that hangs costs a miss, never the scheduler's step.
+tier that hangs costs a miss.
 
 Real engines (the CPU build, the dummy-weight tiny Llama) in the session's engine
 server:
@@ -23,7 +23,9 @@ server:
   new prompt's lookup, which asks the server which blocks it holds, hangs in the
   socket for ``socket_timeout_ms``. The lookup is given up after ``books_timeout_ms``
   (``lookups_given_up``), the prompt is computed, nothing fails, and after the server
-  thaws the batch is served as before.
+  thaws the batch is served as before: its four prompts sharing a prefix load the 19
+  blocks the cpu tier holds of them (the prefix once: the other three find it in
+  vLLM's own cache), the fifth, never stored, is computed.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import pytest
 from support.e2e import (
     BATCH,
     EngineServer,
+    assert_loaded,
     connector_tiers,
     failures,
     outputs,
@@ -93,12 +96,16 @@ def test_a_slower_than_recompute_tier_is_computed_not_loaded(
         assert outputs(result, 2) == reference[:4], report
     c, a = choice["kvoffload"], always["kvoffload"]
     # Nothing came from the disk: the first prompt stopped waiting for its prefetch,
-    # the four then were not even waited for; each lookup counts what it skipped.
+    # the four then were not even waited for; each lookup counts what it skipped. No
+    # exact count: vLLM asks again at each step while a lookup waits for its prefetch,
+    # and how many steps that is depends on this machine's speed (one run: 113).
     assert c["blocks_loaded"] == 0, report
     assert c["skipped_slower_than_recompute"] >= 9 + 19, report
     assert c["load_errors"] == 0, report
-    # Without the choice, the same four prompts were loaded from the disk (each of the
-    # 19 blocks at least once: prompts scheduled together each load the prefix).
+    # Without the choice, the same four prompts were loaded from the disk: each of the
+    # 19 blocks at least once. No exact count: how much of the prefix a prompt loads
+    # depends on how far the 2 s reads of the prefetches had got when its lookup was
+    # answered (one run: 34 blocks loaded, 9 + 25).
     assert a["skipped_slower_than_recompute"] == 0, report
     assert a["blocks_loaded"] >= 9 + 19, report
     assert a["load_errors"] == 0, report
@@ -132,8 +139,12 @@ def test_a_hanging_shared_tier_costs_a_miss(
     assert result["failed"] == 0, f"{failures(result)}\n{report}"
     assert outputs(result, 0) == reference[:4]
     assert outputs(result, 2) == reference, report
-    # The frozen server's lookups were given up, the prompt computed meanwhile.
+    # The frozen server's lookups were given up, the prompt computed meanwhile: at
+    # least the frozen round's prompt's (its lookup and its prefetch on arrival share
+    # one thread, and how many of them the frozen socket holds past books_timeout_ms
+    # depends on when the round ends).
     assert prom["lookups_given_up"] >= 1, report
-    # After the thaw the batch's shared prefix was a hit again (the cpu tier's).
-    assert prom["blocks_loaded"] > 0, report
-    assert prom["load_errors"] == 0, report
+    # After the thaw the batch's four prompts sharing a prefix were hits again, from
+    # the cpu tier: 13 blocks loaded for one, its own 2 for each of the other three.
+    assert not result["kvoffload"]  # multi-process: only Prometheus has them
+    assert_loaded(result, 13 + 3 * 2)

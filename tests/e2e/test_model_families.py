@@ -5,10 +5,11 @@ Dense bf16 and fp8 caches are in test_vllm_connector.py.
 
 Each family: outputs equal the same engine without the connector; a repeat after
 vLLM's prefix cache is reset is served from the cpu tier, and a new engine over the
-same disk tier from the disk, the connector's counters showing blocks loaded and no
-load error; all under vLLM's default ``kv_load_failure_policy="fail"``, where a failed
-load fails its request. The hybrids run under vLLM's hybrid KV cache manager (the
-connector is ``SupportsHMA``): no "Turning off hybrid kv cache manager".
+same disk tier from the disk, the connector's counters showing the exact blocks
+loaded and prefetched and no load error; all under vLLM's default
+``kv_load_failure_policy="fail"``, where a failed load fails its request. The hybrids
+run under vLLM's hybrid KV cache manager (the connector is ``SupportsHMA``): no
+"Turning off hybrid kv cache manager".
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ pytestmark = pytest.mark.slow  # real vLLM engines
 pytest.importorskip("vllm")
 
 HMA_OFF = "Turning off hybrid kv cache manager"
+FULL_BLOCKS = [13] * 4 + [9]
+"""The batch's full blocks of 32 tokens per prompt (never counting its last token)."""
+MAMBA_GROUPS = 2
+"""The tiny Granite-4's Mamba-state groups (its 4 Mamba2 layers), one block each."""
 
 
 def _family_run(
@@ -59,16 +64,30 @@ def _family_run(
     return run.results, run.stderr
 
 
-def _served_and_hit(results: list[dict[str, Any]], hits: list[int]) -> None:
+def _hybrid_loads(boundary: int) -> int:
+    """Blocks a hybrid's repeat of the batch loads, each prompt its whole hit: its
+    full-attention blocks (13, 9 for the last) and the ``boundary`` blocks its other
+    groups keep right before its boundary (a sliding window's 2; a Mamba group's
+    state, 1 each)."""
+    return sum(blocks + boundary for blocks in FULL_BLOCKS)
+
+
+def _served_and_hit(
+    results: list[dict[str, Any]], hits: list[int], loaded: int, stored: int
+) -> None:
+    """The repeat and the restart: outputs, hits, ``loaded`` blocks loaded by each (the
+    repeat's first round loads nothing: the tiers are empty), and the restart's
+    ``stored`` blocks (what the first engine stored) each prefetched from the disk."""
     ref, repeat, restart = results
     assert outputs(repeat, 0) == outputs(ref, 0)
     assert outputs(repeat, 1) == outputs(ref, 1)
     assert outputs(restart, 0) == outputs(ref, 0)
     assert cached(repeat, 1) == hits
     assert cached(restart, 0) == hits
-    assert_loaded(repeat)
-    assert_loaded(restart)
-    assert restart["kvoffload"]["prefetched_blocks"] > 0  # from the disk tier
+    assert_loaded(repeat, loaded)
+    assert_loaded(restart, loaded)
+    prefetched = restart["kvoffload"]["prefetched_blocks"]
+    assert prefetched == stored, restart["kvoffload"]  # from the disk tier
 
 
 def test_sliding_window_hybrid_under_the_hybrid_manager(
@@ -78,9 +97,15 @@ def test_sliding_window_hybrid_under_the_hybrid_manager(
     batch hits in full (13 blocks of 32, 9 for the last), and a request stores its
     full-attention blocks and only the sliding window's 2 blocks before its boundary:
     counted on a prompt of 20 blocks, the cpu tier's bytes are those of 20 blocks of
-    the full-attention layers and 2 of the sliding ones."""
+    the full-attention layers and 2 of the sliding ones. The repeat and the restart
+    each load 71 blocks, every prompt its whole hit (its full-attention blocks and
+    its window's 2): vLLM's own cache cannot serve one prompt the prefix another
+    loaded, whose window blocks are those of the other's boundary. The restart
+    prefetches the 38 the first engine stored: 28 full-attention, 2 per prompt of the
+    window."""
     results, stderr = _family_run(engines, tmp_path / "batch", "gemma3")
-    _served_and_hit(results, [416] * 4 + [288])
+    window = TINY_GEMMA3["sliding_window"] // 32
+    _served_and_hit(results, [416] * 4 + [288], _hybrid_loads(window), 28 + 5 * window)
     assert HMA_OFF not in stderr
     ref = results[0]
 
@@ -98,7 +123,7 @@ def test_sliding_window_hybrid_under_the_hybrid_manager(
     )
     assert outputs(recompute, 1) == outputs(ref, 1)
     assert recompute["failed"] == 0
-    assert recompute["kvoffload"]["load_errors"] > 0
+    assert recompute["kvoffload"]["load_errors"] == _hybrid_loads(window)
     assert recompute["kvoffload"]["blocks_loaded"] == 0
     assert [r["failed"] for r in fail["rounds"][1]] == [True] * len(BATCH)
     assert fail["error"] is None
@@ -129,10 +154,15 @@ def test_mla_is_stored_once_across_tensor_parallel_ranks(
     stores it, in the tiers a TP=1 engine uses, and sends its loads to rank 1. The
     TP=2 engine writes the bytes the TP=1 engine writes, and serves the repeat and a
     restart from them (vLLM's default multi-process mode: the counters are read from
-    its Prometheus metrics)."""
+    its Prometheus metrics, summed over the ranks: rank 0 alone loads and counts).
+    Without vLLM's prefix cache every prompt loads its whole hit: 4 x 26 + 18 = 122
+    blocks, in the repeat and in the restart, whose prefetches bring up the 56 blocks
+    stored (the prefix's 22, 4 of each of the four suffixes, the last prompt's 18)."""
     results, _ = _family_run(engines, tmp_path / "tp1", "deepseek_v2")
     hits = [416] * 4 + [288]  # 26 and 18 blocks of 16
-    _served_and_hit(results, hits)
+    loaded = sum(hits) // 16  # 122: every block of every prompt
+    stored = 352 // 16 + 4 * (416 - 352) // 16 + 288 // 16  # 56
+    _served_and_hit(results, hits, loaded, stored)
     tp1 = results[1]["kvoffload"]
     tp1_bytes = sum(v for k, v in tp1.items() if k.endswith(".bytes_written"))
 
@@ -154,11 +184,9 @@ def test_mla_is_stored_once_across_tensor_parallel_ranks(
     assert cached(first, 1) == hits
     assert cached(restart, 0) == hits
     for result in (first, restart):
-        prom = result["prometheus"]
-        assert prom["blocks_loaded"] > 0, prom
-        assert prom["load_errors"] == 0, prom
-        assert result["failed"] == 0
-    assert restart["prometheus"]["prefetched_blocks"] > 0
+        assert not result["kvoffload"]  # multi-process: only Prometheus has them
+        assert_loaded(result, loaded)
+    assert restart["prometheus"]["prefetched_blocks"] == stored, restart["prometheus"]
     assert not list(disk.glob("rank*"))  # one copy, where a TP=1 engine keeps it
     ratio = first["prometheus"]["tier_bytes_written"] / tp1_bytes
     assert ratio <= 1.05, (first["prometheus"], tp1)
@@ -171,14 +199,18 @@ def test_mamba_hybrid_stores_its_boundary_states(engines: EngineServer, tmp_path
     attention blocks, and a hit restores both. vLLM's CPU Mamba kernel returns no
     state inside a prefill chunk, so this runs with chunks of one block
     (``max_num_batched_tokens=32``); longer chunks crash vLLM itself, connector or
-    not (docs/vllm.md)."""
+    not (docs/vllm.md). The repeat and the restart each load 71 blocks, every prompt
+    its whole hit (its attention blocks and each Mamba group's state): vLLM's own
+    cache holds no state at the end of the shared prefix for another prompt. The
+    restart prefetches the 38 the first engine stored: 28 attention blocks, and per
+    prompt the state of each Mamba group."""
     results, stderr = _family_run(
         engines, tmp_path / "align", "granite4", max_num_batched_tokens=32
     )
-    _served_and_hit(results, [416] * 4 + [288])
+    _served_and_hit(results, [416] * 4 + [288], _hybrid_loads(MAMBA_GROUPS), 28 + 5 * MAMBA_GROUPS)
     assert HMA_OFF not in stderr
     # The attention group's 28 blocks and, per request, each Mamba group's state.
-    assert results[1]["kvoffload"]["tier.cpu.blocks_stored"] >= 28 + 2 * 5
+    assert results[1]["kvoffload"]["tier.cpu.blocks_stored"] >= 28 + 5 * MAMBA_GROUPS
 
     # vLLM's prefix caching off: it hashes in blocks of max_model_len, so there is
     # nothing to key; the connector says so, stores nothing, and the engine serves.

@@ -47,7 +47,7 @@ openai = pytest.importorskip("openai")
 
 import httpx  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-from support.e2e import FAILING_READS, SABOTAGE  # noqa: E402
+from support.e2e import failing_loads  # noqa: E402
 from support.engine_run import write_tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.slow  # real vLLM engines
@@ -167,7 +167,8 @@ def start_server(tmp_path: Path) -> Iterator[Callable[[Path], Server]]:
             "kv_connector_module_path": "kvoffload.connectors.vllm",
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"config_file": str(config)},
+            # Under E2E_FAIL_EVERY_LOAD=1 a copy of the YAML whose loads fail.
+            "kv_connector_extra_config": failing_loads({"config_file": str(config)}),
         }
         # docs/vllm.md's CPU-build line, plus what the tiny dummy model needs.
         cmd = [
@@ -305,16 +306,16 @@ def _loaded_all(text: str) -> bool:
 
 def _write_config(tmp_path: Path) -> Path:
     """The tests' kvoffload YAML: a cpu tier, then an mmap tier every stored block is
-    also written to (``write_through``). Under ``E2E_FAIL_EVERY_LOAD`` the cpu tier
-    fails every load (support/e2e.py): the tests' checks must fail then."""
+    also written to (``write_through``). Under ``E2E_FAIL_EVERY_LOAD=1`` the servers
+    read a copy whose cpu tier fails every load (``start_server``, support/e2e.py):
+    the tests' checks must fail then."""
     config = tmp_path / "kvoffload.yaml"
-    first = "flakycpu\n    fail_reads: " + str(FAILING_READS) if SABOTAGE else "cpu"
     config.write_text(
         f"""\
 version: 1
 tiers:
   - name: cpu
-    backend: {first}
+    backend: cpu
     capacity: 16MiB
     max_pending_stores: 64
   - name: disk

@@ -12,8 +12,10 @@ prompt's whole loadable prefix is there, or ``producer_wait_ms`` (500 ms here) h
 passed since its first lookup.
 
 What it shows: the decode engine's outputs equal an engine's without the connector;
-it computes at most 5% of the prompt tokens (vLLM's ``num_cached_tokens``, every
-cached token past its own prefix cache loaded by the connector: its counters); the
+it computes at most 5% of the prompt tokens (vLLM's ``num_cached_tokens``); the
+connector's counters show every block the prefill engine stored loaded once, without
+a load error (each of the batch's 28 full blocks: the first prompt's 13, then each
+prompt's own, the shared prefix found in the decode engine's own prefix cache); the
 prefill engine loads nothing, the decode engine stores nothing. Then the prefill
 engine is SIGKILLed while it runs a request: the proxy sends that prompt and the next
 to the decode engine alone, which waits ``producer_wait_ms`` for blocks that never come
@@ -36,7 +38,16 @@ from typing import IO, Any
 
 import pytest
 from support.checkout import SUPPORT
-from support.e2e import BATCH, BATCH_BLOCKS, PREFIX, EngineServer, outputs, redis_tier, tokens
+from support.e2e import (
+    BATCH,
+    BATCH_BLOCKS,
+    PREFIX,
+    EngineServer,
+    failing_loads,
+    outputs,
+    redis_tier,
+    tokens,
+)
 from support.engine_run import write_tiny_llama
 from support.redisserver import RedisServer, require_redis
 
@@ -54,10 +65,16 @@ BLOCK = 32
 
 
 class Engine:
-    """One ``pd_engine.py`` process (a process group of its own)."""
+    """One ``pd_engine.py`` process (a process group of its own); under
+    ``E2E_FAIL_EVERY_LOAD=1`` its loads fail (``support/e2e.py``)."""
 
     def __init__(self, tmp: Path, model: Path, role: str, conn: dict[str, Any]) -> None:
-        spec = {"model": str(model), "role": role, "engine_id": role, "kvoffload": conn}
+        spec = {
+            "model": str(model),
+            "role": role,
+            "engine_id": role,
+            "kvoffload": failing_loads(conn),
+        }
         env = {
             **os.environ,
             "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -187,8 +204,11 @@ def test_prefill_decode_through_redis(
     cached = sum(o["cached"] for o in outs)
     computed = prompt_tokens - cached
     # Every token vLLM reports cached past the shared prefix (which prompts 2 to 4 find
-    # in the decode engine's own prefix cache) was loaded by the connector.
-    assert dc["tokens_loaded"] >= cached - (len(BATCH) - 2) * len(PREFIX), detail
+    # in the decode engine's own prefix cache) was loaded by the connector: the
+    # batch's every full block, once.
+    assert cached - (len(BATCH) - 2) * len(PREFIX) == BATCH_BLOCKS * BLOCK, detail
+    assert dc["blocks_loaded"] == BATCH_BLOCKS, detail
+    assert dc["tokens_loaded"] == BATCH_BLOCKS * BLOCK, detail
     share = computed / prompt_tokens
     print(f"decode computed {computed} of {prompt_tokens} prompt tokens ({share:.1%})")
     assert share <= 0.05, detail

@@ -8,10 +8,12 @@ run one after the other, each a fresh ``LLM`` shut down before the next starts).
 
 Engines run in vLLM's single-process mode unless a test asks otherwise: there the
 connector's counters can be read (``result["kvoffload"]``), which is how a test proves
-that a hit was loaded, and an engine starts in about 3 s instead of about 25 s (the
-default mode spawns an engine core and a worker, each importing vLLM again). Tests of
-the default mode itself pass ``single_process=False``, and run under
-``kv_load_failure_policy="fail"``, where a failed load fails its request.
+that a hit was loaded (:func:`assert_loaded`), and an engine starts in about 3 s
+instead of about 25 s (the default mode spawns an engine core and a worker, each
+importing vLLM again). Tests of the default mode itself pass ``single_process=False``,
+run under ``kv_load_failure_policy="fail"``, where a failed load fails its request,
+and read the counters from the connector's Prometheus metrics
+(``result["prometheus"]``, summed over ranks and tiers).
 
 A test whose engine the server cannot survive (a crash, a hang past the timeout)
 fails, and the next test gets a new server.
@@ -31,17 +33,21 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, overload
+
+import yaml
 
 from support.checkout import SUPPORT
 from support.engine_run import write_tiny_llama, write_tiny_model
 
 ENGINE_RUN: Final = SUPPORT / "engine_run.py"
 SABOTAGE: Final = os.environ.get("E2E_FAIL_EVERY_LOAD", "") == "1"
-"""``E2E_FAIL_EVERY_LOAD=1``: every engine of the end-to-end tests runs with every
-load failing (:func:`sabotaged`, applied by :func:`make_spec` and the OpenAI-server
-test), so that ``pytest tests/e2e`` shows which tests a failed load cannot pass: each
-that claims a hit must fail. Never set in CI."""
+"""``E2E_FAIL_EVERY_LOAD=1``: every engine of the end-to-end tests that has a connector
+runs with every load failing (:func:`failing_loads`: applied by :func:`make_spec`, so
+to every engine of the engine server and of :func:`write_spec`, and by the tests that
+start engines themselves, the OpenAI server's and P/D's), so that ``pytest tests/e2e``
+shows which tests a failed load cannot pass: each that claims a hit must fail. Never
+set in CI."""
 BLOCK: Final = 32
 MAX_TOKENS: Final = 8
 
@@ -80,16 +86,12 @@ def make_spec(tmp: Path, **spec: Any) -> dict[str, Any]:
     full = {"model": str(model), "max_tokens": MAX_TOKENS, "rounds": [], **spec}
     full["engine"] = {"gpu_memory_utilization": 0.2, **spec.get("engine", {})}
     if SABOTAGE:
-        for engine in [full, *full.get("engines", [])]:
-            if _first_tier_is_cpu(engine.get("kvoffload")):
+        if full.get("engines"):
+            full["engines"] = [dict(e) for e in full["engines"]]  # the caller's as written
+        for engine in [full, *(full.get("engines") or [])]:
+            if engine.get("kvoffload") is not None:
                 engine["kvoffload"] = sabotaged(engine["kvoffload"])
     return full
-
-
-def _first_tier_is_cpu(conn: dict[str, Any] | None) -> bool:
-    """Whether a connector config names its tiers, the first of them ``cpu``."""
-    tiers = ((conn or {}).get("config") or {}).get("tiers")
-    return bool(tiers) and tiers[0].get("backend", "cpu") == "cpu"
 
 
 def write_spec(tmp: Path, **spec: Any) -> Path:
@@ -275,15 +277,59 @@ def redis_tier(url: str, **settings: Any) -> dict[str, Any]:
 FAILING_READS: Final = 10**9
 
 
+def failing_loads(conn: dict[str, Any] | None) -> dict[str, Any] | None:
+    """An engine's connector config as it runs: itself, or under
+    ``E2E_FAIL_EVERY_LOAD=1`` (:data:`SABOTAGE`) its :func:`sabotaged` copy. For the
+    tests that start their engines themselves; :func:`make_spec` applies it to every
+    engine of a spec."""
+    return sabotaged(conn) if SABOTAGE and conn is not None else conn
+
+
 def sabotaged(conn: dict[str, Any]) -> dict[str, Any]:
-    """The same connector config with every load failing: its first tier, where every
-    load reads from, becomes the test plugin's ``flakycpu`` with every read an I/O
-    error. What a test claims as a hit must then fail its checks."""
+    """The same connector config with every load failing: its first tier, which every
+    load reads (a cpu tier's loads copy out of it, a disk tier's prefetches land in it
+    first; a persistent first tier is read at load), fails every read. A cpu tier
+    becomes the test plugin's ``flakycpu`` with every read an I/O error, an mmap tier
+    its ``faultymmap`` with ``read_error`` 1; tiers from a YAML file (``config_file``)
+    are sabotaged in a copy of the file beside it, and a config that names no tiers
+    gets kvoffload's default one (a cpu tier of 1 GiB), failing. What a test claims as
+    a hit must then fail its checks."""
     conn = copy.deepcopy(conn)
-    first = conn["config"]["tiers"][0]
-    assert first.get("backend", "cpu") == "cpu", first
-    first.update(backend="flakycpu", fail_reads=FAILING_READS)
+    if "config" in conn:
+        conn["config"] = _failing_first_tier(conn["config"])
+    elif "config_file" in conn:
+        path = Path(conn["config_file"])
+        try:
+            config = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError):
+            return conn  # the engine cannot start: nothing to load, nothing to sabotage
+        if not isinstance(config, dict):
+            return conn
+        failing = path.with_name(f"{path.stem}-failing-loads.yaml")
+        failing.write_text(json.dumps(_failing_first_tier(config)))  # JSON is YAML
+        conn["config_file"] = str(failing)
+    else:
+        conn["config"] = _failing_first_tier({})
     return conn
+
+
+def _failing_first_tier(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` (a kvoffload config mapping) with its first tier failing every read."""
+    config = copy.deepcopy(config)
+    tiers = config.get("tiers") or [{"name": "cpu", "backend": "cpu", "capacity": "1GiB"}]
+    first = tiers[0]
+    backend = first.get("backend", "cpu")
+    if backend in ("cpu", "flakycpu"):
+        first.update(backend="flakycpu", fail_reads=FAILING_READS)
+    elif backend in ("mmap", "faultymmap"):
+        first.update(backend="faultymmap", read_error=1.0)
+    else:
+        raise AssertionError(
+            f"E2E_FAIL_EVERY_LOAD: no failing variant of a first tier of backend "
+            f"{backend!r} (the test plugin has flakycpu and faultymmap)"
+        )
+    config["tiers"] = tiers
+    return config
 
 
 def outputs(result: dict[str, Any], round_: int = 0) -> list[list[int]]:
@@ -298,16 +344,32 @@ def failures(result: dict[str, Any]) -> list[dict[str, Any]]:
     return [r for rnd in result["rounds"] for r in rnd if r["failed"]]
 
 
-def assert_loaded(result: dict[str, Any], blocks: int | None = None) -> None:
-    """The connector's counters prove a load: blocks were loaded (``blocks`` of them, if
-    given), none failed, no request failed. A hit vLLM reports in
-    ``num_cached_tokens`` is no proof: it does not lower it when it recomputes blocks
-    whose load failed."""
-    c = result["kvoffload"]
-    detail = json.dumps({k: c.get(k) for k in ("blocks_loaded", "load_errors", "load_timeouts")})
-    assert c, "no connector counters: a single-process engine reports them"
+@overload
+def assert_loaded(result: dict[str, Any], blocks: int) -> None: ...
+@overload
+def assert_loaded(result: dict[str, Any], *, unknown: str) -> None: ...
+def assert_loaded(
+    result: dict[str, Any], blocks: int | None = None, *, unknown: str | None = None
+) -> None:
+    """The connector's counters prove a load: ``blocks`` blocks were loaded, none
+    failed, no request failed. The count is the test's to give: exact, or, where it
+    cannot be known, ``unknown`` says why (then any load will do). A hit vLLM reports
+    in ``num_cached_tokens`` is no proof: it does not lower it when it recomputes
+    blocks whose load failed.
+
+    The counters are those the connector keeps in this process (``result["kvoffload"]``,
+    single-process engines), else its Prometheus metrics (``result["prometheus"]``,
+    summed over ranks: at TP>1 each rank that loads counts its own blocks)."""
+    if (blocks is None) == (unknown is None):
+        raise TypeError("assert_loaded: give the blocks loaded, or why none can be known")
+    c = result["kvoffload"] or result.get("prometheus") or {}
+    source = "kvoffload" if result["kvoffload"] else "prometheus"
+    detail = json.dumps(
+        {source: {k: c.get(k) for k in ("blocks_loaded", "load_errors", "load_timeouts")}}
+    )
+    assert c, "no connector counters: neither the engine's own nor its Prometheus metrics"
     if blocks is None:
-        assert c["blocks_loaded"] > 0, detail
+        assert c["blocks_loaded"] > 0, f"{detail} ({unknown})"
     else:
         assert c["blocks_loaded"] == blocks, detail
     assert c["load_errors"] == 0, detail
