@@ -942,11 +942,13 @@ def test_aborted_requests_leave_no_pins_holds_or_prefetches(
     # so requests may have been claimed and loaded), so requests were still undecided or
     # held when aborted; after four, some requests had been loaded and were running.
     first = results[1]["abort"]
-    # Claims waiting on prefetches, or decided and held: something was the requests'
-    # when they were aborted (lookups answer on their own thread, so how far they had
-    # got by then varies).
+    # Claims waiting on prefetches, decided and held, or blocks the prefetches had
+    # pinned in the cpu tier for the claims to come: something was the requests' when
+    # they were aborted (lookups and prefetches run on their own threads, so which of
+    # these it was varies: in one run all 20 prefetches had landed within the step,
+    # leaving 40 blocks pinned and no claim yet).
     before = first["health_before_abort"]
-    assert before["claims"] + before["holds"] > 0, json.dumps(first)
+    assert before["claims"] + before["holds"] + before["pinned"][0] > 0, json.dumps(first)
     assert first["finished_before_abort"] < first["submitted"], json.dumps(first)
     # How many had loaded by the fourth step follows the lookups' thread: not exact.
     assert results[2]["abort"]["counters"]["blocks_loaded"] > 0, json.dumps(results[2]["abort"])
