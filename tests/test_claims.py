@@ -4,12 +4,11 @@ instead of failing a load. Real cpu, mmap and LMDB tiers; every load bit-exact."
 
 from __future__ import annotations
 
-import time
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from support.blocks import (
     BPB,
     LAYOUT,
@@ -20,6 +19,7 @@ from support.blocks import (
     store_and_settle,
     three_tiers,
 )
+from support.waiting import HANG_S, wait_until
 
 from kvoffload.blockpool import BlockPool
 from kvoffload.config import load_config
@@ -32,13 +32,9 @@ def pool() -> BlockPool:
     return BlockPool.allocate(LAYOUT, 64)
 
 
-def _claim(off: Offloader, owner: object, keys: list[BlockKey], timeout: float = 30) -> LoadPlan:
+def _claim(off: Offloader, owner: object, keys: list[BlockKey]) -> LoadPlan:
     """Ask until the claim is decided, as vLLM's scheduler does step after step."""
-    deadline = time.monotonic() + timeout
-    while (plan := off.claim(owner, keys)) is None:
-        assert time.monotonic() < deadline, "claim never decided"
-        time.sleep(0.001)
-    return plan
+    return wait_until(lambda: off.claim(owner, keys), "the claim decided", poll=0.001)
 
 
 def _load(off: Offloader, plan: LoadPlan, ids: list[int]) -> int:
@@ -156,12 +152,16 @@ def test_a_cancelled_prefetch_frees_its_reserved_slots(tmp_path: Path, pool: Blo
     its cpu slots are freed and its source blocks unpinned."""
     off, keys = _cold(tmp_path, pool, 12)
     with off:
-        # Keep the ssd tier's load lane busy, so the prefetch cannot start at once.
-        gate = torch.zeros(1)
-        busy = off._workers[1].submit_load(lambda: time.sleep(0.3) or gate.numel())
+        # Keep the ssd tier's load lane busy until the claim is released, so the
+        # prefetch cannot start before.
+        busy_until = threading.Event()
+        busy = off._workers[1].submit_load(lambda: int(busy_until.wait(HANG_S)))
         assert busy is not None
-        assert off.claim("r", keys) is None
-        off.release("r")
+        try:
+            assert off.claim("r", keys) is None
+            off.release("r")
+        finally:
+            busy_until.set()
         assert off.prefetch_stats.wasted == 12
         assert off.prefetches() == (0, 0)
         assert off.pinned() == [0, 0]
@@ -181,9 +181,13 @@ def test_prefetches_are_bounded_by_the_budget(tmp_path: Path, pool: BlockPool) -
         store_and_settle(off, make_keys(8, salt=100 + i), list(range(8)))
     with off:
         seen = 0
-        while (plan := off.claim("r", keys)) is None:
+
+        def decided() -> LoadPlan | None:
+            nonlocal seen
             seen = max(seen, off._books.claims.inflight_blocks)
-            time.sleep(0.0005)
+            return off.claim("r", keys)
+
+        plan = wait_until(decided, "the claim decided", poll=0.0005)
         assert plan.hits == 12
         assert seen <= 4
         assert _load(off, plan, list(range(20, 32))) == 12

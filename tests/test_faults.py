@@ -22,7 +22,9 @@ from support.blocks import (
     store_and_settle,
     three_tiers,
 )
+from support.waiting import HANG_S, HeldBackend, returns, wait_until
 
+from kvoffload import books as books_module
 from kvoffload.blockpool import BlockPool
 from kvoffload.config import load_config
 from kvoffload.datapath import LoadGate, StoreGate
@@ -111,12 +113,31 @@ def test_the_stack_keeps_serving_under_injected_faults(tmp_path: Path, kind: str
         assert off.pinned() == [0, 0]
 
 
-def test_a_failing_tier_is_bypassed_then_probed_and_closed(tmp_path: Path) -> None:
+class _BooksClock:
+    """The books' clock (``kvoffload.books.time``), which the test moves forward: a
+    back-off passes when the test says so, never because the machine was slow."""
+
+    def __init__(self) -> None:
+        self.ahead = 0.0
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.ahead
+
+    def perf_counter(self) -> float:
+        return time.perf_counter()
+
+
+def test_a_failing_tier_is_bypassed_then_probed_and_closed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """breaker_errors failures in a row trip the breaker: the tier gets no stores and
     serves no loads for the back-off (its faults stop being reached), then one
-    success after the back-off closes it."""
+    success after the back-off closes it. The back-off is long enough that only a hang
+    outlasts it; the books' clock is moved past it."""
+    clock = _BooksClock()
+    monkeypatch.setattr(books_module, "time", clock)
     faults = Faults(write_error=1.0, read_error=1.0, seed=9)
-    lower = {"breaker_errors": 3, "breaker_backoff_ms": 300}
+    lower = {"breaker_errors": 3, "breaker_backoff_ms": HANG_S * 1e3}
     config = load_config(
         {
             "tiers": [
@@ -143,7 +164,7 @@ def test_a_failing_tier_is_bypassed_then_probed_and_closed(tmp_path: Path) -> No
         before = disk.blocks_stored
         _round(off, 10)
         assert disk.blocks_stored == before
-        time.sleep(0.35)  # the back-off passes: the next store is the probe
+        clock.ahead += HANG_S  # the back-off passes: the next store is the probe
         asked, loaded = _round(off, 11)
         assert disk.blocks_stored > before  # probed, closed, written
         assert loaded == asked
@@ -151,60 +172,49 @@ def test_a_failing_tier_is_bypassed_then_probed_and_closed(tmp_path: Path) -> No
         assert off.check() == []
 
 
-HANG_S = 3.0
-"""How long a hanging call hangs: far longer than any bound the tests put on what
-must not wait for it (2.5 s), and those bounds far above what they measure (0.2 s
-timeouts), so that neither a slow machine nor a fast one decides the outcome."""
-
-
-def _hanging(tmp: Path, tiers: list[dict[str, Any]]) -> tuple[Offloader, FaultyBackend]:
-    """``tiers`` with the last one wrapped; every read and write of it hangs
-    :data:`HANG_S` while :attr:`FaultyBackend.enabled` (off at first);
-    ``load_timeout_ms`` 200."""
+def _hanging(tmp: Path, tiers: list[dict[str, Any]]) -> tuple[Offloader, HeldBackend]:
+    """``tiers`` with the last one wrapped; every read and write of it hangs while the
+    test holds it (:meth:`HeldBackend.holding`), until the test has checked what must
+    not wait for it; ``load_timeout_ms`` 200."""
     config = load_config({"tiers": tiers, "load_timeout_ms": 200}, env={})
     built = build_tiers(config, LAYOUT)
-    faulty = FaultyBackend(built[-1].backend, Faults(hang=1.0, hang_s=HANG_S, seed=11))
-    faulty.enabled = False
-    built[-1].backend = faulty
+    held = HeldBackend(built[-1].backend)
+    built[-1].backend = held
     pool = BlockPool.allocate(LAYOUT, POOL)
-    return Offloader(config, LAYOUT, pool, tiers=built), faulty
+    return Offloader(config, LAYOUT, pool, tiers=built), held
 
 
 def test_a_claim_stops_waiting_for_a_hanging_tier_after_the_load_timeout(tmp_path: Path) -> None:
-    """The request's prefix is only on a disk that hangs (3 s per call): the claim
-    settles after load_timeout_ms (200 ms) for what the first tier holds, the late
-    prefetch counts as a failure for the breaker, and it lands for the next request."""
+    """The request's prefix is only on a disk whose reads hang until the test lets
+    them go: the claim settles after load_timeout_ms (200 ms: counted ``late``) for
+    what the first tier holds, while the read still hangs; the late prefetch counts as
+    a failure for the breaker, and it lands for the next request."""
     cpu, disk = three_tiers(tmp_path, cpu_blocks=8)[:2]
-    off, faulty = _hanging(tmp_path, [cpu, {**disk, "breaker_errors": 1}])
+    off, held = _hanging(tmp_path, [cpu, {**disk, "breaker_errors": 1}])
     with off:
         wanted, other = make_keys(8, 1), make_keys(8, 2)
         store_and_settle(off, wanted, list(range(8)))
         store_and_settle(off, other, list(range(8)))  # pushes `wanted` out of the 8-block cpu tier
         assert off.lookup(wanted) == 8  # on the disk
-        faulty.enabled = True
-        t0 = time.monotonic()
-        plan = off.claim("r1", wanted)
-        assert plan is None  # prefetching, hanging
-        while plan is None:
-            time.sleep(0.01)
-            assert time.monotonic() - t0 < 2.5, "the claim waited for the hang"
-            plan = off.claim("r1", wanted)
-        waited = time.monotonic() - t0
-        assert 0.2 <= waited < 2.5
-        assert plan.hits == 0  # nothing of it up top yet: recompute
-        assert off.prefetch_stats.late == 1
-        off.unclaim(plan)
-        off.release("r1")
-        assert faulty.injected["hang"] >= 1
-        assert off.drain(timeout=30)  # the hung read ends, slower than the timeout
+        with held.holding():
+            assert off.claim("r1", wanted) is None  # prefetching, hanging
+            # A claim that waited for the hung read would never settle before the
+            # release below.
+            plan = wait_until(lambda: off.claim("r1", wanted), "the claim settled", poll=0.01)
+            assert held.outlasted == 0, "the claim waited for the hung read"
+            assert off.prefetch_stats.late == 1  # settled by the load timeout
+            assert plan.hits == 0  # nothing of it up top yet: recompute
+            off.unclaim(plan)
+            off.release("r1")
+            assert held.held["read"] >= 1
+        assert off.drain(timeout=30)  # the hung read ends, after the timeout
         assert off.stats[1].breaker_trips == 1
-        faulty.enabled = False
         # The late prefetch landed: a hit up top. It held 4 blocks (the budget: half
         # the first tier); the rest would need the disk, which the breaker bypasses.
-        plan = off.claim("r2", wanted)
-        assert plan is not None
-        assert plan.hits == 4
-        off.unclaim(plan)
+        again = off.claim("r2", wanted)
+        assert again is not None
+        assert again.hits == 4
+        off.unclaim(again)
         off.release("r2")
         assert off.check() == []
         assert off.pinned() == [0, 0]
@@ -212,30 +222,31 @@ def test_a_claim_stops_waiting_for_a_hanging_tier_after_the_load_timeout(tmp_pat
 
 def test_an_abandoned_load_never_copies_into_the_engines_blocks(tmp_path: Path) -> None:
     """A step's load from a disk first tier that hangs: the engine abandons it through
-    its gate after waiting; when the read finally returns, the job copies nothing into
-    the pool (the engine is recomputing those blocks) and reports nothing loaded."""
+    its gate while the read still hangs; when the read returns, the job copies nothing
+    into the pool (the engine is recomputing those blocks) and reports nothing
+    loaded."""
     disk = three_tiers(tmp_path, cpu_blocks=8)[1]
-    off, faulty = _hanging(tmp_path, [disk])
+    off, held = _hanging(tmp_path, [disk])
     with off:
         assert off.pool is not None
         keys = make_keys(8, 3)
         store_and_settle(off, keys, list(range(8)))
-        faulty.enabled = True
         ids = list(range(16, 24))
         sentinel = torch.full((8, BPB), 7, dtype=torch.uint8)
         off.pool.scatter(ids, sentinel)
         plan = off.prepare_load(keys)
         assert plan.hits == 8
         gate = LoadGate()
-        job = off.submit_load(plan, ids, gate=gate)
-        assert job is not None
-        assert off.wait([job], timeout=0.2) == []  # still reading
-        assert gate.abandon()
-        assert not gate.enter()  # what the job will find
+        with held.holding():
+            job = off.submit_load(plan, ids, gate=gate)
+            assert job is not None
+            assert off.wait([job], timeout=0.2) == []  # still reading
+            assert gate.abandon()
+            assert not gate.enter()  # what the job will find
         (res,) = off.wait([job], timeout=30)
         assert res.nbytes == 0
         assert torch.equal(off.pool.gather(ids), sentinel)  # untouched
-        faulty.enabled = False
+        assert held.held["read"] == 1
         plan = off.prepare_load(keys)  # the blocks are still held, and load normally
         gate = LoadGate()
         job = off.submit_load(plan, ids, gate=gate)
@@ -251,39 +262,40 @@ def test_an_abandoned_load_never_copies_into_the_engines_blocks(tmp_path: Path) 
 def test_a_store_into_a_hanging_tier_gives_the_engine_its_blocks_back_once_read(
     tmp_path: Path,
 ) -> None:
-    """A disk as the only tier, every write hanging 3 s: the engine gets its blocks back
-    as soon as the store has read them, long before the write ends, and what is stored
-    is what was read, whatever the engine writes into its blocks afterwards. A store
-    queued behind the hung one has not begun by its deadline: it is abandoned, reads
-    nothing and stores nothing."""
+    """A disk as the only tier, its writes hanging until the test lets them go: the
+    engine gets its blocks back as soon as the store has read them, while the write
+    still hangs, and what is stored is what was read, whatever the engine writes into
+    its blocks afterwards. A store queued behind the hung one has not begun by its
+    deadline: it is abandoned, reads nothing and stores nothing."""
     disk = three_tiers(tmp_path, cpu_blocks=8)[1]
-    off, faulty = _hanging(tmp_path, [disk])
+    off, held = _hanging(tmp_path, [disk])
     with off:
         assert off.pool is not None
-        faulty.enabled = True
         zeros = torch.zeros((8, BPB), dtype=torch.uint8)
         keys, ids = make_keys(8, 5), list(range(8))
         fill_pool(off.pool, keys, ids)
         gate = StoreGate()
-        start = time.monotonic()
-        job = off.submit_store(keys, ids, gate=gate)
-        assert job is not None
-        assert gate.wait(5.0) is False  # read, not abandoned
-        assert time.monotonic() - start < 2.5  # the write takes 3 s
-        assert off.wait([job], timeout=0) == []  # still writing
-        off.pool.scatter(ids, zeros)  # the engine reuses its blocks at once
-        later, later_ids = make_keys(8, 6), list(range(8, 16))
-        fill_pool(off.pool, later, later_ids)
-        late = StoreGate()
-        late_job = off.submit_store(later, later_ids, gate=late)
-        assert late_job is not None
-        assert late.wait(0.2) is True  # queued behind the hung write: abandoned
-        off.pool.scatter(later_ids, zeros)
+        with held.holding():
+            job = off.submit_store(keys, ids, gate=gate)
+            assert job is not None
+            # Read, not abandoned, while the write hangs: a gate that waited for the
+            # write would not open before the release below.
+            assert returns(lambda: gate.wait(HANG_S), "the engine's blocks back") is False
+            assert held.outlasted == 0, "the engine's blocks came back only after the write"
+            assert off.wait([job], timeout=0) == []  # still writing
+            off.pool.scatter(ids, zeros)  # the engine reuses its blocks at once
+            later, later_ids = make_keys(8, 6), list(range(8, 16))
+            fill_pool(off.pool, later, later_ids)
+            late = StoreGate()
+            late_job = off.submit_store(later, later_ids, gate=late)
+            assert late_job is not None
+            assert late.wait(0.2) is True  # queued behind the hung write: abandoned
+            off.pool.scatter(later_ids, zeros)
         results = {r.job_id: r for r in off.wait([job, late_job], timeout=30)}
         assert results[job].success
         assert not results[late_job].success
         assert "store_timeout_ms" in str(results[late_job].error)
-        faulty.enabled = False
+        assert held.held["write"] == 1
         assert off.drain(timeout=30)
         plan = off.prepare_load(keys)
         assert plan.hits == 8

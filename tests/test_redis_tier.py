@@ -4,7 +4,7 @@ Offloaders (replicas) sharing one server, books that live on the server (one rou
 trip per lookup, no local LRU; a block the server lost is stored again, and under
 server eviction two replicas hit as often as an LRU of the server would), and the
 server down at start, killed mid-run and restarted: misses and counted errors, never
-an exception, hits back within 5 s."""
+an exception, and hits again once it is back."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import pytest
 import torch
 from support.blocks import BPB, LAYOUT, POOL, block_content, fill_pool, make_keys
 from support.redisserver import RedisServer, require_redis
+from support.waiting import wait_until
 
 from kvoffload.blockpool import BlockPool
 from kvoffload.config import load_config
@@ -63,12 +64,7 @@ def _claim_and_load(off: Offloader, keys: list[BlockKey], owner: str = "r") -> i
     """Claim ``keys`` as a request would (waiting for prefetches), load the hit into
     pool blocks 32.., check it bit-exact; the number of blocks loaded."""
     assert off.pool is not None
-    deadline = time.monotonic() + 30
-    plan = off.claim(owner, keys)
-    while plan is None:
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
-        plan = off.claim(owner, keys)
+    plan = wait_until(lambda: off.claim(owner, keys), "the claim decided")
     ids = list(range(32, 32 + plan.hits))
     n = 0
     if plan.hits:
@@ -148,7 +144,7 @@ def test_a_shared_server_cannot_be_the_first_tier(server: RedisServer) -> None:
 def test_server_down_killed_and_restarted(tmp_path: Path) -> None:
     """The server is down when the engine starts, comes up, is killed mid-run and comes
     back: stores and loads never raise, the cpu tier keeps serving, failures are
-    counted, and hits from the server resume within 5 s of its return."""
+    counted, and hits from the server resume once it is back."""
     require_redis()
     srv = RedisServer(tmp_path / "redis")
     from support.redisserver import free_port
@@ -162,14 +158,13 @@ def test_server_down_killed_and_restarted(tmp_path: Path) -> None:
         assert _claim_and_load(off, early) == 8  # the cpu tier still has them
         srv.start()
         try:
-            t0 = time.monotonic()
             first = make_keys(8, 6)
-            while True:  # stores reach the server once the breaker probes it
+
+            def stored_there() -> bool:  # once the breaker probes the server
                 _store(off, first)
-                if off.lookup(first) == 8 and off.tiers[0].manager.lookup(first) == 8:
-                    break
-                assert time.monotonic() - t0 < 5, "the server's return went unnoticed"
-                time.sleep(0.05)
+                return off.lookup(first) == 8 and off.tiers[0].manager.lookup(first) == 8
+
+            wait_until(stored_there, "stores reach the returned server", poll=0.05)
             server_errors = off.stats[1].server_errors
             srv.kill()  # mid-run
             gone = make_keys(8, 7)
@@ -182,13 +177,13 @@ def test_server_down_killed_and_restarted(tmp_path: Path) -> None:
             back = time.monotonic()
             hits = off.stats[1].hits
             later = make_keys(8, 8)
-            while True:
+
+            def hit_again() -> bool:
                 _store(off, later)
                 _store(off, make_keys(8, 9))  # pushes `later` out of cpu
-                if _claim_and_load(off, later, owner="again") == 8:
-                    break
-                assert time.monotonic() - back < 5, "hits did not resume within 5 s"
-                time.sleep(0.05)
+                return _claim_and_load(off, later, owner="again") == 8
+
+            wait_until(hit_again, "hits from the restarted server", poll=0.05)
             assert off.stats[1].hits > hits  # served by the restarted server
             print(f"hits resumed {time.monotonic() - back:.2f} s after the restart")
             assert off.check() == []

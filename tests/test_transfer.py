@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
+from support.waiting import HANG_S, returns, wait_until
 
 from kvoffload.transfer import (
     CANCELLED_ERROR,
@@ -69,7 +70,7 @@ def _blocked(release: threading.Event, started: threading.Event | None = None) -
     def fn() -> int:
         if started is not None:
             started.set()
-        assert release.wait(10), "test never released the job"
+        assert release.wait(HANG_S), "test never released the job"
         return BLOCK
 
     return fn
@@ -83,13 +84,15 @@ def _sleeping(seconds: float, nbytes: int = BLOCK) -> Callable[[], int]:
     return fn
 
 
-def _drain(w: TransferWorker, n: int, timeout: float = 5.0) -> list[JobResult]:
+def _drain(w: TransferWorker, n: int) -> list[JobResult]:
     """Poll ``get_finished`` until ``n`` results came out (the engine's way to consume)."""
     results: list[JobResult] = []
-    deadline = time.monotonic() + timeout
-    while len(results) < n and time.monotonic() < deadline:
-        results += w.get_finished()
-        time.sleep(0.001)
+
+    def all_out() -> bool:
+        results.extend(w.get_finished())
+        return len(results) >= n
+
+    wait_until(all_out, f"{n} results out of get_finished", poll=0.001)
     return results
 
 
@@ -119,34 +122,42 @@ def test_jobs_of_one_direction_run_and_report_in_submission_order(
     assert all(r.success and r.direction == direction for r in results)
 
 
-def test_load_does_not_queue_behind_a_long_store(worker: TransferWorker) -> None:
-    done_at: dict[str, float] = {}
+def test_load_does_not_queue_behind_a_long_store(
+    worker: TransferWorker, release: threading.Event
+) -> None:
+    """A load submitted while a store runs, which ends only once the test releases it
+    (after the load's result is in), finishes first: a load queued behind the store
+    would never finish before the release."""
+    done: list[str] = []
+    started = threading.Event()
 
     def long_store() -> int:
-        time.sleep(1.0)
-        done_at["store"] = time.monotonic()
+        started.set()
+        assert release.wait(HANG_S), "test never released the store"
+        done.append("store")
         return BLOCK
 
     def load() -> int:
-        done_at["load"] = time.monotonic()
+        done.append("load")
         return BLOCK
 
-    t0 = time.monotonic()
     store_id = worker.submit_store(long_store)
-    load_id = worker.submit_load(load)
     assert store_id is not None
+    assert started.wait(HANG_S)
+    load_id = worker.submit_load(load)
     assert load_id is not None
 
-    [load_result] = worker.wait([load_id], timeout=0.5)
-    assert load_result.success
-    assert done_at["load"] - t0 < 0.25
+    loaded = worker.wait([load_id], timeout=HANG_S)
+    assert loaded, "the load waited for the store (a hang)"
+    assert loaded[0].success
     # The store lane is still busy with the job submitted first.
     assert worker.pending("store") == 1
-    assert "store" not in done_at
+    assert done == ["load"]
 
-    [store_result] = worker.wait([store_id], timeout=5)
+    release.set()
+    [store_result] = worker.wait([store_id], timeout=HANG_S)
     assert store_result.success
-    assert done_at["store"] - done_at["load"] > 0.7
+    assert done == ["load", "store"]
 
 
 # -- bounded in-flight -------------------------------------------------------------------
@@ -159,27 +170,27 @@ def test_full_lane_rejects_without_blocking_and_counts_it() -> None:
         _releasing(threading.Event()) as release,
     ):
         accepted = [w.submit_store(_blocked(release, started))]
-        assert started.wait(5)
+        assert started.wait(HANG_S)
         accepted += [w.submit_store(_blocked(release)) for _ in range(3)]
-        t0 = time.monotonic()
-        refused = [w.submit_store(_blocked(release)) for _ in range(6)]
-        # "Can't" is answered at once; a refusal that waited would wait for `release`,
-        # which comes only after this test.
-        assert time.monotonic() - t0 < 5
+        # "Can't" is answered at once: a submit that waited for room would wait for
+        # `release`, which comes only after these checks.
+        refused = returns(
+            lambda: [w.submit_store(_blocked(release)) for _ in range(6)], "submits to a full lane"
+        )
         assert None not in accepted
         assert refused == [None] * 6
         assert w.pending("store") == 4
 
         load_id = w.submit_load(lambda: BLOCK)
         assert load_id is not None
-        assert w.wait([load_id], timeout=5)[0].success
+        assert w.wait([load_id], timeout=HANG_S)[0].success
 
         stats = w.stats()
         assert (stats.store.submitted, stats.store.rejected) == (4, 6)
         assert (stats.load.submitted, stats.load.rejected) == (1, 0)
 
         release.set()
-        results = w.wait([i for i in accepted if i is not None], timeout=5)
+        results = w.wait([i for i in accepted if i is not None], timeout=HANG_S)
         assert [r.success for r in results] == [True] * 4
         assert w.pending("store") == 0
         # Room again once the lane drained.
@@ -202,7 +213,7 @@ def test_raising_job_becomes_a_failed_result_and_the_lane_keeps_going(
     caplog.set_level(logging.WARNING, logger="kvoffload.transfer")
     ids = [worker.submit_store(broken) for _ in range(3)]
     ids += [worker.submit_store(not_bytes), worker.submit_store(lambda: BLOCK)]
-    results = worker.wait([i for i in ids if i is not None], timeout=5)  # no exception here
+    results = worker.wait([i for i in ids if i is not None], timeout=HANG_S)  # no exception
 
     assert len(results) == 5
     for r in results[:3]:
@@ -242,18 +253,18 @@ def test_wait_with_timeout_returns_only_finished_jobs(
     assert fast is not None
     assert slow is not None
 
-    t0 = time.monotonic()
-    results = worker.wait([fast, slow], timeout=0.2)
-    assert 0.2 <= time.monotonic() - t0 < 5  # not waiting for `slow`, which never ends
+    # `slow` ends only once released below: the wait can only have ended by its timeout
+    # (a wait that ignored the timeout would never end).
+    results = returns(lambda: worker.wait([fast, slow], timeout=0.2), "wait with a timeout")
     assert [r.job_id for r in results] == [fast]
+    assert worker.pending("store") == 1  # `slow` still runs
 
     assert worker.get_finished() == []  # fast was taken by wait
     release.set()
     assert [r.job_id for r in _drain(worker, 1)] == [slow]
-    # Both already delivered: nothing left to wait for, and wait does not block.
-    t0 = time.monotonic()
-    assert worker.wait([fast, slow]) == []
-    assert time.monotonic() - t0 < 5  # no timeout: a wait that blocked would never end
+    # Both already delivered: nothing left to wait for, and wait does not block (with
+    # no timeout, a wait that blocked would never end).
+    assert returns(lambda: worker.wait([fast, slow]), "wait for delivered jobs") == []
 
 
 def test_each_result_is_delivered_once_through_wait_or_get_finished() -> None:
@@ -268,7 +279,7 @@ def _deliver_each_once(worker: TransferWorker) -> None:
         job_id = _submit(worker, rng.choice(["store", "load"]), _sleeping(0, i))
         assert job_id is not None
         ids.append(job_id)
-    waited = worker.wait(ids[::3] + ids[::3], timeout=5)  # duplicates asked once
+    waited = worker.wait(ids[::3] + ids[::3], timeout=HANG_S)  # duplicates asked once
     polled = _drain(worker, len(ids) - len(waited))
     time.sleep(0.05)
     late = worker.get_finished()
@@ -304,7 +315,7 @@ def test_concurrent_submitters_keep_the_books_consistent(worker: TransferWorker)
         t.start()
     for t in threads:
         t.join()
-    results = worker.wait(accepted, timeout=10)
+    results = worker.wait(accepted, timeout=HANG_S)
 
     assert sorted(r.job_id for r in results) == sorted(accepted)
     assert worker.get_finished() == []
@@ -318,13 +329,18 @@ def test_concurrent_submitters_keep_the_books_consistent(worker: TransferWorker)
 
 
 def test_nbytes_and_seconds_are_reported(worker: TransferWorker) -> None:
+    """The result's ``seconds`` span the job's run (as the job measured it itself)."""
+    ran: list[float] = []
+
     def slow() -> int:
+        t0 = time.perf_counter()
         time.sleep(0.05)
+        ran.append(time.perf_counter() - t0)
         return 3 * BLOCK
 
     job_id = worker.submit_load(slow)
     assert job_id is not None
-    [r] = worker.wait([job_id], timeout=5)
+    [r] = worker.wait([job_id], timeout=HANG_S)
     assert (r.job_id, r.direction, r.success, r.nbytes, r.error) == (
         job_id,
         "load",
@@ -332,7 +348,7 @@ def test_nbytes_and_seconds_are_reported(worker: TransferWorker) -> None:
         3 * BLOCK,
         None,
     )
-    assert 0.05 <= r.seconds < 5
+    assert r.seconds >= ran[0] > 0
     assert worker.stats().load.nbytes == 3 * BLOCK
 
 
@@ -383,13 +399,21 @@ def test_shutdown_without_waiting_cancels_queued_jobs_as_failed_results() -> Non
     w = TransferWorker(name=NAME)
     running = w.submit_store(_blocked(release, started))
     assert running is not None
-    assert started.wait(5)
+    assert started.wait(HANG_S)
     ids = [w.submit_store(queued(i)) for i in range(4)]
-    # The running job cannot be interrupted; let it end a little after shutdown begins.
-    timer = threading.Timer(0.1, release.set)
-    timer.start()
+
+    def release_once_cancelled() -> None:
+        # The running job cannot be interrupted: it ends once shutdown has cancelled
+        # the queued ones (1 job left in flight), never before.
+        try:
+            wait_until(lambda: w.pending("store") == 1, "the queued jobs cancelled")
+        finally:
+            release.set()
+
+    releaser = threading.Thread(target=release_once_cancelled)
+    releaser.start()
     w.shutdown(wait=False)
-    timer.join()
+    releaser.join()
 
     assert ran == []  # cancelled jobs never ran
     results = {r.job_id: r for r in w.get_finished()}
@@ -414,7 +438,7 @@ def test_store_threads_run_independent_stores_side_by_side_and_shut_down() -> No
     second_started = threading.Event()
 
     def first() -> int:
-        if not second_started.wait(timeout=5):
+        if not second_started.wait(timeout=HANG_S):
             raise TimeoutError("the second store never started")
         return 1
 
@@ -427,7 +451,7 @@ def test_store_threads_run_independent_stores_side_by_side_and_shut_down() -> No
     a, b = w.submit_store(first), w.submit_store(second)
     assert a is not None
     assert b is not None
-    results = {r.job_id: r for r in w.wait([a, b], timeout=10)}
+    results = {r.job_id: r for r in w.wait([a, b], timeout=HANG_S)}
     assert results[a].success, results[a].error
     assert results[b].success
     w.shutdown(wait=True)
@@ -477,7 +501,11 @@ async def test_concurrent_awaits_all_complete() -> None:
 
 @pytest.mark.asyncio
 async def test_event_loop_keeps_running_while_a_job_runs(worker: TransferWorker) -> None:
+    """The job ends only once the event loop has ticked 3 times: a ``run_store`` that
+    blocked the loop while the job ran would leave it waiting (until it gives up and
+    fails)."""
     ticks = 0
+    ticked = threading.Event()
     stop = asyncio.Event()
 
     async def ticker() -> None:
@@ -485,15 +513,20 @@ async def test_event_loop_keeps_running_while_a_job_runs(worker: TransferWorker)
         while not stop.is_set():
             await asyncio.sleep(0.01)
             ticks += 1
+            if ticks == 3:
+                ticked.set()
+
+    def job() -> int:
+        if not ticked.wait(HANG_S):
+            raise TimeoutError("the event loop did not run while the job ran")
+        return BLOCK
 
     task = asyncio.create_task(ticker())
-    result = await worker.run_store(_sleeping(0.5))
+    result = await worker.run_store(job)
     stop.set()
     await task
-    assert result.success
-    assert result.seconds >= 0.5
-    # ~50 ticks fit in 0.5 s; a blocked loop would manage at most one.
-    assert ticks >= 5
+    assert result.success, result.error
+    assert ticks >= 3
 
 
 @pytest.mark.asyncio
@@ -504,7 +537,7 @@ async def test_run_on_a_full_lane_returns_a_rejected_result() -> None:
         _releasing(threading.Event()) as release,
     ):
         first = asyncio.ensure_future(w.run_load(_blocked(release, started)))
-        assert await asyncio.to_thread(started.wait, 5)
+        assert await asyncio.to_thread(started.wait, HANG_S)
         rejected = await w.run_load(lambda: BLOCK)
         release.set()
         accepted = await first

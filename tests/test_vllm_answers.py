@@ -3,15 +3,14 @@
 A stand-in for the worker's books (its lookups can be made to hang, as one stuck in a
 Redis round trip or a frozen disk does) behind a real :class:`Answers`, used directly
 (the single-process scheduler) and through a real books server on a real Unix socket
-(the multi-process one). No assertion is on elapsed time: each waits, with a generous
-deadline, for the answer the design promises, and the order of the books' calls shows
-that nothing outlives its request.
+(the multi-process one). No assertion is on elapsed time: each waits, with a hang
+guard (``support.waiting``), for the answer the design promises, and the order of the
+books' calls shows that nothing outlives its request.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -20,8 +19,12 @@ from typing import Any
 import pytest
 from kvoffload.connectors.vllm.answers import Answers
 from kvoffload.connectors.vllm.books import _BooksServer, _RemoteBooks
+from support.waiting import HOLD_LIMIT_S, returns, wait_until
 
-DEADLINE_S = 30.0
+DEADLINE_S = HOLD_LIMIT_S
+"""How long a stuck lookup stays stuck (the test frees it sooner), and the remote
+scheduler's own deadline (never reached): longer than the hang guards, so that a
+call that waited for a stuck lookup is caught as a hang."""
 
 
 class _Books:
@@ -79,21 +82,21 @@ def books() -> Iterator[tuple[_Books, Answers]]:
 
 def _until(ask: Any, want: Any) -> list[Any]:
     """Ask until the answer is ``want``; every answer on the way."""
-    seen = []
-    deadline = time.monotonic() + DEADLINE_S
-    while time.monotonic() < deadline:
+    seen: list[Any] = []
+
+    def answered() -> bool:
         seen.append(ask())
-        if seen[-1] == want:
-            return seen
-        time.sleep(0.01)
-    raise AssertionError(f"never answered {want!r}; answers: {seen[-5:]}")
+        return bool(seen[-1] == want)
+
+    try:
+        wait_until(answered, f"an answer {want!r}", poll=0.01)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; answers: {seen[-5:]}") from None
+    return seen
 
 
-def _wait_for(cond: Any) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
+def _wait_for(cond: Any, what: str) -> None:
+    wait_until(cond, what, poll=0.01)
 
 
 def test_a_lookup_is_answered(books: tuple[_Books, Answers]) -> None:
@@ -118,12 +121,16 @@ def test_a_stuck_lookup_is_a_miss_and_its_late_claim_is_released(
     assert set(seen[:-1]) == {None}
     assert stub.counters["lookups_given_up"] == 1
     # Meanwhile another request's lookup waits behind the stuck one: "not yet", then a
-    # miss too; questions that need no lookup are answered at once.
+    # miss too; questions that need no lookup are answered at once (the stuck lookup
+    # is freed only after them).
     assert _until(lambda: answers.lookup("b", []), 0)[-1] == 0
-    assert answers.plan(2, "c", 0, 3) == 3
-    assert answers.sources("c") == 2
+    assert returns(lambda: answers.plan(2, "c", 0, 3), "a plan, a lookup stuck") == 3
+    assert returns(lambda: answers.sources("c"), "the sources, a lookup stuck") == 2
     stub.free.set()
-    _wait_for(lambda: ("release", "s") in stub.calls and ("release", "b") in stub.calls)
+    _wait_for(
+        lambda: ("release", "s") in stub.calls and ("release", "b") in stub.calls,
+        "both late claims released",
+    )
     for req in ("s", "b"):
         assert stub.calls.index(("lookup", req)) < stub.calls.index(("release", req))
     # Healthy again: the next lookup is answered.
@@ -135,21 +142,24 @@ def test_a_release_during_its_lookup_comes_after_it(books: tuple[_Books, Answers
     the claim that lookup makes is the one released."""
     stub, answers = books
     stub.stuck.add("r")
-    assert answers.lookup("r", []) is None
-    answers.release("r")
+    assert returns(lambda: answers.lookup("r", []), "a lookup, the books stuck") is None
+    returns(lambda: answers.release("r"), "a release, its lookup stuck")
     assert ("release", "r") not in stub.calls
     stub.free.set()
-    _wait_for(lambda: ("release", "r") in stub.calls)
+    _wait_for(lambda: ("release", "r") in stub.calls, "the release after the lookup")
     assert stub.calls == [("lookup", "r"), ("release", "r")]
 
 
 def test_a_prefetch_on_arrival_never_waits(books: tuple[_Books, Answers]) -> None:
+    """A prefetch on arrival, while the lookup thread is stuck, is queued behind the
+    stuck lookup, not waited for: the lookup is freed only after it returned."""
     stub, answers = books
     stub.stuck.add("p")
-    assert answers.lookup("p", []) is None  # the lookup thread is now stuck
-    assert answers.prefetch("q", []) == 0  # queued behind it, not waited for
+    # The lookup thread is now stuck.
+    assert returns(lambda: answers.lookup("p", []), "a lookup, the books stuck") is None
+    assert returns(lambda: answers.prefetch("q", []), "a prefetch, a lookup stuck") == 0
     stub.free.set()
-    _wait_for(lambda: ("prefetch", "q") in stub.calls)
+    _wait_for(lambda: ("prefetch", "q") in stub.calls, "the queued prefetch")
 
 
 def test_through_the_books_server_the_scheduler_never_times_out(

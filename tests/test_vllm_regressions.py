@@ -19,7 +19,6 @@ through the connector's own API the way vLLM's scheduler and worker call it.
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,6 +38,7 @@ from kvoffload.connectors.vllm import (
 )
 from kvoffload.connectors.vllm.scheduler import _Load
 from support.engine_run import write_tiny_llama
+from support.waiting import wait_until
 from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.sampling_params import SamplingParams
@@ -56,7 +56,6 @@ BLOCK = 16
 LAYERS, HEADS, DIM = 2, 2, 32  # the tiny Llama's KV shape
 NUM_BLOCKS = 32
 FULL = 4  # full blocks of each prompt (plus one token vLLM computes)
-WAIT_S = 20.0  # a prefetch or a store: longer is a hang
 
 
 class Engine:
@@ -116,13 +115,16 @@ class Engine:
 
     def lookup(self, req: Request) -> int:
         """Ask until decided, as vLLM asks each step."""
-        deadline = time.monotonic() + WAIT_S
-        while True:
-            matched, _ = self.scheduler.get_num_new_matched_tokens(req, 0)
-            if matched is not None:
-                return matched
-            assert time.monotonic() < deadline, "lookup undecided: a hang?"
-            time.sleep(0.002)
+        matched: list[int] = []
+
+        def decided() -> bool:
+            got, _ = self.scheduler.get_num_new_matched_tokens(req, 0)
+            if got is not None:
+                matched.append(got)
+            return got is not None
+
+        wait_until(decided, "the lookup decided", poll=0.002)
+        return matched[0]
 
     def run(
         self, req: Request, block_ids: list[int], sources: list[Any] | None = None
@@ -156,15 +158,15 @@ class Engine:
         meta = self.scheduler.build_connector_meta(out)
         _, errors = self.step(meta)
         delay, _ = self.scheduler.request_finished(req, block_ids)
-        finished = {req.request_id} if delay else set()
-        deadline = time.monotonic() + WAIT_S
-        while delay:
-            (sending, _, _), _ = self.step(TieredOffloadMetadata(), finished)
-            finished = set()
-            if req.request_id in sending:
-                break
-            assert time.monotonic() < deadline, "stores never finished"
-            time.sleep(0.002)
+        if delay:
+            finished = {req.request_id}
+
+            def sent() -> bool:
+                (sending, _, _), _ = self.step(TieredOffloadMetadata(), finished)
+                finished.clear()
+                return req.request_id in sending
+
+            wait_until(sent, "the request's stores finished", poll=0.002)
         return matched, errors
 
     def counters(self) -> dict[str, int | float]:
@@ -244,8 +246,8 @@ def test_handle_preemptions_waits_only_for_the_preempted_requests_stores(
 ) -> None:
     """A store of request ``a`` not yet begun (its gate never released: a lane that has
     not reached it) is left alone by a step whose metadata names no preemption; a step
-    naming ``a`` as preempted waits for it, up to ``store_timeout_ms`` (300 ms here),
-    then abandons it: 3 blocks counted in ``store_timeouts``."""
+    naming ``a`` as preempted waits for it until ``store_timeout_ms`` (300 ms here) has
+    passed, then abandons it (it never begins): 3 blocks counted in ``store_timeouts``."""
     engine = Engine(model, _tiers(tmp_path))
     engines.append(engine)
     worker = engine.worker._worker
@@ -316,11 +318,14 @@ def test_hit_sources_count_a_prefetch_on_arrival_as_disk(
     req = engine.request(3)
     engine.scheduler.on_new_request(req)
     shared = _REGISTRY[engine.engine_id]
-    deadline = time.monotonic() + WAIT_S
     # The prefetch runs on the books' own thread: done once its 4 blocks landed.
-    while engine.counters()["prefetched_blocks"] < FULL or shared.offloader.prefetches()[0]:
-        assert time.monotonic() < deadline, "prefetch on arrival never landed"
-        time.sleep(0.002)
+    wait_until(
+        lambda: (
+            engine.counters()["prefetched_blocks"] >= FULL and not shared.offloader.prefetches()[0]
+        ),
+        "the prefetch on arrival landed",
+        poll=0.002,
+    )
     sources: list[Any] = []
     assert engine.run(req, [0, 1, 2, 3, 4], sources)[0] == FULL * BLOCK
     assert sources == [{CacheHitSource.DISK: FULL * BLOCK}]
