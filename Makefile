@@ -75,8 +75,13 @@ redis-server:
 	  { apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null; }; }
 	@command -v redis-server >/dev/null || { echo "redis-server missing: apt-get install redis-server" >&2; exit 1; }
 
+# Two workers, one per core of the CI machine: most tests wait on a child process, a
+# server or a disk as much as they compute. worksteal hands a worker left idle the
+# other's queued tests, so the slowest (engine runs of a minute or more) do not end up
+# queued behind each other at the end. Each worker has a $TMPDIR of its own
+# (tests/conftest.py).
 pytest: dev redis-server
-	$(VENV)/bin/pytest --durations=25
+	$(VENV)/bin/pytest -n 2 --dist worksteal --durations=25
 
 test: lint typecheck pytest
 

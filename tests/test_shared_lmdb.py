@@ -36,6 +36,7 @@ import pytest
 import torch
 from kvoffload.backends.lmdb import BLOCKS_DB
 from support.checkout import SUPPORT
+from support.waiting import wait_until
 
 from kvoffload.config import layout_from_config, load_config
 from kvoffload.tier import build_tiers
@@ -43,7 +44,9 @@ from kvoffload.tools.stress import BlockDataGenerator
 
 RUNS = 10
 RUN_S = 0.6
-"""Seconds each run's reader reads while the writer stores, after its first open."""
+"""Seconds each run's reader reads while the writer stores, after its first open (and
+then until it has been sent two of the writer's ACK lines: a slow machine's run is
+longer, never emptier)."""
 BATCH = 16
 PAUSE_S = 0.0
 """Between the writer's batches; 0: none. The 254 slots turn over every few dozen ms, so
@@ -201,6 +204,7 @@ def test_a_writer_and_a_reader_process_share_a_tier_ten_runs(tmp_path: Path) -> 
     reader = _Child(["serve_reader", json.dumps(raw_ro)], tmp_path / "reader.err")
     forward = threading.Event()
     last_forward = [0.0]
+    forwarded = [0]
 
     def forward_acks(line: str) -> None:
         # Some of the writer's ACK lines go on to the reader, which reads those blocks
@@ -210,6 +214,7 @@ def test_a_writer_and_a_reader_process_share_a_tier_ten_runs(tmp_path: Path) -> 
             last_forward[0] = now
             with contextlib.suppress(OSError, ValueError):  # a dead reader fails below
                 reader.send(line)
+                forwarded[0] += 1
 
     writer.on_line = forward_acks
     expected: set[str] = set()
@@ -224,7 +229,11 @@ def test_a_writer_and_a_reader_process_share_a_tier_ten_runs(tmp_path: Path) -> 
             forward.set()
             reader.send(f"go {run}")
             reader.expect("OPENED")
+            forwarded[0] = 0
             time.sleep(RUN_S)
+            # However slow the machine: the reader has this run's blocks to read (it
+            # reads its input in order, so those come before the stop).
+            wait_until(lambda: forwarded[0] >= 2, "ACK lines forwarded to the reader")
             forward.clear()
             reader.send("stop")
             done, _ = reader.expect("DONE")

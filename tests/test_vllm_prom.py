@@ -7,7 +7,6 @@ are driven with vLLM's own ``Request`` / ``SchedulerOutput`` / ``KVConnectorOutp
 from __future__ import annotations
 
 import pickle
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from kvoffload.connectors.vllm import (
 )
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from support.engine_run import write_tiny_llama
+from support.waiting import wait_until
 from vllm.config import CacheConfig, KVEventsConfig, KVTransferConfig, ModelConfig, VllmConfig
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -191,14 +191,16 @@ class Engine:
         self.worker.start_load_kv(None)
         self.worker.wait_for_save()
         # Finish the request, then step until the worker says its stores are done.
-        deadline = time.monotonic() + 30
         finished = {req.request_id}
-        while meta.stores and req.request_id not in (
-            self.worker.get_finished(finished)[0] or set()
-        ):
+
+        def stored() -> bool:
+            nonlocal finished
+            done = req.request_id in (self.worker.get_finished(finished)[0] or set())
             finished = set()
-            assert time.monotonic() < deadline, "stores did not finish"
-            time.sleep(0.005)
+            return done
+
+        if meta.stores:
+            wait_until(stored, "stores finished")
         output = KVConnectorOutput(
             kv_cache_events=self.worker.get_kv_connector_kv_cache_events(),
             kv_connector_stats=self.worker.get_kv_connector_stats(),
@@ -352,12 +354,18 @@ def test_events_from_several_workers_keep_what_all_reported() -> None:
     assert pickle.loads(pickle.dumps(single)).get_all_events() == [stored(b"a")] * 2
 
 
+def _matched(tokens: int | None) -> tuple[int] | None:
+    """A lookup's answer as a true value (a hit of 0 tokens included), ``None`` while
+    it is still being prefetched."""
+    return None if tokens is None else (tokens,)
+
+
 def _hit(eng: Engine, req: Request, block_ids: list[int]) -> int:
     """``admit``, asking again while the hit is prefetched (``None``), as vLLM does."""
-    deadline = time.monotonic() + 30
-    while (matched := eng.scheduler.get_num_new_matched_tokens(req, 0)[0]) is None:
-        assert time.monotonic() < deadline, "the prefetch never landed"
-        time.sleep(0.005)
+    matched: int = wait_until(
+        lambda: _matched(eng.scheduler.get_num_new_matched_tokens(req, 0)[0]),
+        "the prefetch landed",
+    )[0]
     blocks = KVCacheBlocks(blocks=([KVCacheBlock(block_id=i) for i in block_ids],))
     eng.scheduler.update_state_after_alloc(req, blocks, matched)
     return matched
@@ -418,10 +426,10 @@ def test_a_queued_request_prefetches_before_its_lookup(model_dir: str, tmp_path:
     try:
         req = eng.request("queued", prompt(0))
         eng.scheduler.on_new_request(req)
-        deadline = time.monotonic() + 30
-        while connector_counters()[eng.worker.engine_id]["prefetched_blocks"] < 3:
-            assert time.monotonic() < deadline, "the prefetch never landed"
-            time.sleep(0.005)
+        wait_until(
+            lambda: connector_counters()[eng.worker.engine_id]["prefetched_blocks"] >= 3,
+            "the prefetch landed",
+        )
         counts = connector_counters()[eng.worker.engine_id]
         assert (counts["lookups"], counts["prefetches_on_arrival"]) == (0, 1)
         assert eng.scheduler.get_num_new_matched_tokens(req, 0) == (3 * BLOCK, False)
@@ -439,13 +447,10 @@ def test_a_request_that_ends_while_queued_leaves_nothing_behind(
         req = eng.request("gone", prompt(0))
         eng.scheduler.on_new_request(req)
         eng.scheduler.request_finished(req, [])
-        deadline = time.monotonic() + 30
-        while True:
-            health = connector_health()[eng.worker.engine_id]
-            if health["prefetches"] == 0:
-                break
-            assert time.monotonic() < deadline, health
-            time.sleep(0.005)
+        health = wait_until(
+            lambda: (h := connector_health()[eng.worker.engine_id])["prefetches"] == 0 and h,
+            "no prefetch left",
+        )
         assert health["claims"] == 0
         assert health["holds"] == 0
         assert health["problems"] == []

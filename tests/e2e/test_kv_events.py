@@ -202,6 +202,9 @@ def test_a_subscriber_rebuilds_each_tier_from_the_events_alone(
     assert counters["kv_events_dropped"] == 0
     assert counters["tier.cpu.evictions"] > 0
     assert counters["tier.disk.evictions"] > 0
+    # The workload was served from the tiers too. How many blocks depends on the step
+    # each lookup is answered in (the lookups' own thread) and on what vLLM's prefix
+    # cache still held then: no exact count. What this test claims is the events.
     assert counters["blocks_loaded"] > 0
 
     # ``kvoffload inspect`` over the disk tier, the engine shut down, agrees.

@@ -49,6 +49,7 @@ import httpx  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from support.e2e import failing_loads  # noqa: E402
 from support.engine_run import write_tiny_llama  # noqa: E402
+from support.waiting import wait_until  # noqa: E402
 
 pytestmark = pytest.mark.slow  # real vLLM engines
 
@@ -421,14 +422,13 @@ def _reset(server: Server, *, external: bool) -> None:
     request's are until its stores are done."""
     url = f"{server.url}/reset_prefix_cache"
     params = {"reset_external": "true"} if external else {}
-    deadline = time.monotonic() + RESET_TIMEOUT_S
-    while True:
+
+    def reset() -> bool:
         response = httpx.post(url, params=params, timeout=30)
         assert response.status_code == 200, response.text
-        if response.json().get("success") is True:
-            return
-        assert time.monotonic() < deadline, f"reset refused for {RESET_TIMEOUT_S} s"
-        time.sleep(0.5)
+        return response.json().get("success") is True
+
+    wait_until(reset, "the prefix cache reset", timeout=RESET_TIMEOUT_S, poll=0.5)
 
 
 def _stored(n: int) -> Callable[[str], bool]:
