@@ -186,7 +186,7 @@ def run_mode(
             ratio_vllm_hit=round(worst_local / worst_without, 2),
             arrival_ttft_ms=[t["arrival"]["arrival"]["ttft_ms"] for t in trials],
             vllm_hit_ttft_ms=[t["vllm_hit"]["arrival"]["ttft_ms"] for t in trials],
-            cold_ttft_ms=[t["cold"]["arrival"]["ttft_ms"] for t in trials],
+            cold_arrival_ttft_ms=[t["cold"]["arrival"]["ttft_ms"] for t in trials],
             worst_gap_during_cold_ms=worst_cold,
             ttft_vs_vllm_hit=round(_median(ttft["arrival"]) / _median(ttft["vllm_hit"]), 2),
             gap_vs_vllm_hit=round(worst_during / worst_local, 2),
