@@ -73,18 +73,24 @@ def _hybrid_loads(boundary: int) -> int:
 
 
 def _served_and_hit(
-    results: list[dict[str, Any]], hits: list[int], loaded: int, stored: int
+    results: list[dict[str, Any]],
+    hits: list[int],
+    loaded: int,
+    stored: int,
+    first_round_loads: int = 0,
 ) -> None:
     """The repeat and the restart: outputs, hits, ``loaded`` blocks loaded by each (the
-    repeat's first round loads nothing: the tiers are empty), and the restart's
-    ``stored`` blocks (what the first engine stored) each prefetched from the disk."""
+    repeat's first round, on empty tiers, loads ``first_round_loads`` more: none where
+    vLLM's prefix cache gives a later prompt the prefix an earlier one computed), and
+    the restart's ``stored`` blocks (what the first engine stored) each prefetched from
+    the disk."""
     ref, repeat, restart = results
     assert outputs(repeat, 0) == outputs(ref, 0)
     assert outputs(repeat, 1) == outputs(ref, 1)
     assert outputs(restart, 0) == outputs(ref, 0)
     assert cached(repeat, 1) == hits
     assert cached(restart, 0) == hits
-    assert_loaded(repeat, loaded)
+    assert_loaded(repeat, loaded + first_round_loads)
     assert_loaded(restart, loaded)
     prefetched = restart["kvoffload"]["prefetched_blocks"]
     assert prefetched == stored, restart["kvoffload"]  # from the disk tier
@@ -157,12 +163,17 @@ def test_mla_is_stored_once_across_tensor_parallel_ranks(
     its Prometheus metrics, summed over the ranks: rank 0 alone loads and counts).
     Without vLLM's prefix cache every prompt loads its whole hit: 4 x 26 + 18 = 122
     blocks, in the repeat and in the restart, whose prefetches bring up the 56 blocks
-    stored (the prefix's 22, 4 of each of the four suffixes, the last prompt's 18)."""
+    stored (the prefix's 22, 4 of each of the four suffixes, the last prompt's 18). In
+    the first round, on empty tiers, a prompt vLLM schedules after the first one's
+    prefix is stored loads that prefix (how many do depends on the steps: one CI run
+    had three of them load its 22 blocks); without vLLM's prefix cache the connector
+    alone gives cached tokens, so those loads are read from the round's cached tokens:
+    the count stays exact."""
     results, _ = _family_run(engines, tmp_path / "tp1", "deepseek_v2")
     hits = [416] * 4 + [288]  # 26 and 18 blocks of 16
     loaded = sum(hits) // 16  # 122: every block of every prompt
     stored = 352 // 16 + 4 * (416 - 352) // 16 + 288 // 16  # 56
-    _served_and_hit(results, hits, loaded, stored)
+    _served_and_hit(results, hits, loaded, stored, sum(cached(results[1], 0)) // 16)
     tp1 = results[1]["kvoffload"]
     tp1_bytes = sum(v for k, v in tp1.items() if k.endswith(".bytes_written"))
 
@@ -183,9 +194,9 @@ def test_mla_is_stored_once_across_tensor_parallel_ranks(
     assert outputs(restart, 0) == outputs(first, 0)
     assert cached(first, 1) == hits
     assert cached(restart, 0) == hits
-    for result in (first, restart):
+    for result, before in ((first, sum(cached(first, 0)) // 16), (restart, 0)):
         assert not result["kvoffload"]  # multi-process: only Prometheus has them
-        assert_loaded(result, loaded)
+        assert_loaded(result, loaded + before)
     assert restart["prometheus"]["prefetched_blocks"] == stored, restart["prometheus"]
     assert not list(disk.glob("rank*"))  # one copy, where a TP=1 engine keeps it
     ratio = first["prometheus"]["tier_bytes_written"] / tp1_bytes
