@@ -232,9 +232,14 @@ def test_prefill_decode_through_redis(
     print("after the kill: seconds", seconds, "loaded", final["tokens_loaded"] - loaded_before)
     assert not any(o["failed"] for o in outs)
     assert [o["tokens"] for o in outs] == reference[len(BATCH) :]
-    # Nothing of these prompts was ever stored: the decode engine, once its wait for a
-    # producer (producer_wait_ms) was over, computed each whole.
-    assert final["tokens_loaded"] == loaded_before, json.dumps(final)
-    assert all(o["cached"] == 0 for o in outs), outs
+    # Nothing of the later prompts was ever stored: the decode engine, once its wait
+    # for a producer (producer_wait_ms) was over, computed each whole. The first is the
+    # one the prefill engine was running when killed: it may have stored some of its
+    # blocks first (one CI run: all 6), which the decode engine then loads, and
+    # nothing else: the tokens loaded since are exactly those vLLM reports cached.
+    assert all(o["cached"] == 0 for o in outs[1:]), outs
+    assert outs[0]["cached"] % BLOCK == 0, outs
+    assert outs[0]["cached"] <= (len(AFTER[0]) - 1) // BLOCK * BLOCK, outs
+    assert final["tokens_loaded"] - loaded_before == outs[0]["cached"], json.dumps(final)
     assert final["load_errors"] == 0
     print("test took", round(time.monotonic() - t0, 1), "s")
