@@ -567,13 +567,15 @@ class KVOffloadConfig(BaseModel):
     ever ran costs the decode engine this much. Its own setting: ``load_timeout_ms``
     bounds the loads and prefetches themselves, which a short producer wait must not
     cut short."""
-    async_load_min_bytes: ByteSize = 8 * 1024**2
-    """A hit of at least this many bytes (on one rank) loads in the background, as
-    vLLM's asynchronous load: the request waits while the other requests' steps go
-    on, instead of every running request waiting for the copy inside the step.
-    Smaller hits load inside the step, which saves the request a step of latency. An
-    8 MiB load inside the step took 0.85 ms on a 2-core VM (scripts/bench_load_budget.py,
-    docs/benchmarks.md): under a millisecond."""
+    async_load_min_bytes: ByteSize | None = None
+    """Unset (the default): each hit loads where it delays the engine least, by
+    measurement. Inside the step, every request of that step waits for the copy; in the
+    background (vLLM's asynchronous load), the new request waits about one step more
+    while the others go on. So a hit loads in the step when (running requests + 1) x
+    its copy time <= a step, from the measured copy rate and step time (before both are
+    measured: 8 MiB or more loads in the background). Set, a fixed rule: a hit of at
+    least this many bytes (on one rank) loads in the background, smaller ones in the
+    step."""
     stress: StressConfig = StressConfig()
     """Defaults for ``kvoffload stress``."""
 

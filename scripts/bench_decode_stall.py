@@ -22,8 +22,13 @@ its TTFT over the vLLM hit's (medians over the trials; target <= 1.2), and
 (target <= 1.1).
 
 Modes: ``in_step`` (``async_load_min_bytes`` 1 TiB: every hit loads inside the engine
-step, which every running request waits for) and ``async`` (the config's default, 8 MiB:
-this hit loads in the background while the others decode). ``ratio`` = the worst gap
+step, which every running request waits for), ``async`` (``async_load_min_bytes`` 1
+byte: every hit loads in the background while the others decode) and ``measured`` (the
+config's default, unset: each hit placed by measurement, :mod:`connectors.vllm.hitpath`).
+Each cpu-tier arrival's hit path, phase by phase (``hit_path_ms``: the lookup, the
+schedule, a background load and its requeue, the step that computes it), comes from the
+connector's ``hit_*_seconds`` counters, with the copy the step waited for
+(``in_step_load_ms``). ``ratio`` = the worst gap
 during the arrival over the worst without; target for ``async`` <= 1.2. Each mode
 runs ``--trials`` of both phases, alternating; each phase's figure is the worst over its
 trials, so every ratio comes from one server run::
@@ -56,7 +61,12 @@ from real_server import (
     write_config,
 )
 
-MODES = {"in_step": {"async_load_min_bytes": 1 << 40}, "async": {}}
+MODES: dict[str, dict[str, Any]] = {
+    "in_step": {"async_load_min_bytes": 1 << 40},
+    "async": {"async_load_min_bytes": 1},
+    "measured": {},
+}
+PHASES = ("lookup", "schedule", "load", "requeue", "step")
 STREAM_PROMPTS = [
     "Write a long story about a lighthouse keeper and a storm.",
     "Explain, step by step and at length, how bread is made.",
@@ -128,7 +138,13 @@ def _phase(
         out["window_worst_gap_ms"] = round(max(window) * 1e3, 1)
         # The counters reach the front end with the engine's step outputs, a little later.
         loaded = before.get("blocks_loaded", 0.0) + (len(prompt) - 1) // BLOCK * loads
-        out["counters"] = delta(server.wait_metric("blocks_loaded", loaded, 10), before)
+        out["counters"] = counters = delta(server.wait_metric("blocks_loaded", loaded, 10), before)
+        timed = counters.get("hits_timed", 0)
+        if loads and timed:
+            out["hit_path_ms"] = {
+                p: round(counters.get(f"hit_{p}_seconds", 0) / timed * 1e3, 1) for p in PHASES
+            }
+            out["in_step_load_ms"] = round(counters.get("in_step_load_seconds", 0) * 1e3, 1)
     return out
 
 
@@ -187,6 +203,8 @@ def run_mode(
             arrival_ttft_ms=[t["arrival"]["arrival"]["ttft_ms"] for t in trials],
             vllm_hit_ttft_ms=[t["vllm_hit"]["arrival"]["ttft_ms"] for t in trials],
             cold_arrival_ttft_ms=[t["cold"]["arrival"]["ttft_ms"] for t in trials],
+            hit_path_ms=[t["arrival"].get("hit_path_ms") for t in trials],
+            in_step_load_ms=[t["arrival"].get("in_step_load_ms") for t in trials],
             worst_gap_during_cold_ms=worst_cold,
             ttft_vs_vllm_hit=round(_median(ttft["arrival"]) / _median(ttft["vllm_hit"]), 2),
             gap_vs_vllm_hit=round(worst_during / worst_local, 2),
@@ -202,7 +220,7 @@ def main() -> None:
     p.add_argument("--warm-tokens", type=int, default=12, help="tokens each stream has first")
     p.add_argument("--after-s", type=float, default=0.3, help="window past the arrival's answer")
     p.add_argument("--trials", type=int, default=3)
-    p.add_argument("--modes", default="in_step,async")
+    p.add_argument("--modes", default="in_step,async,measured")
     p.add_argument("--work", type=Path, default=Path("out/bench_decode_stall"))
     p.add_argument("--json", type=Path)
     args = p.parse_args()

@@ -295,9 +295,20 @@ def test_a_load_counts_its_tokens_and_only_the_worker_side_reports(events_on: En
     assert stats.data["tier.cpu.bytes_read"] == 3 * BYTES_PER_BLOCK
     assert "tokens_stored" not in stats.data  # a delta: nothing stored this step
     assert events == []  # a load from the first tier stores nothing
-    # The scheduler side shares the process (and the Offloader): it reports nothing,
-    # or vLLM, which adds both sides' stats, would count everything twice.
-    assert eng.scheduler.get_kv_connector_stats() is None
+    assert stats.data["blocks_loaded_in_step"] == 3
+    assert stats.data["in_step_load_seconds"] > 0
+    # The scheduler side shares the process (and the Offloader): it reports its hit
+    # timings alone, or vLLM, which adds both sides' stats, would count the rest twice.
+    own = eng.scheduler.get_kv_connector_stats()
+    assert own is not None
+    assert set(own.data) == {
+        "hits_timed",
+        "hit_lookup_seconds",
+        "hit_schedule_seconds",
+        "hit_step_seconds",
+    }
+    assert own.data["hits_timed"] == 1  # "again"; "a" was a miss
+    assert not set(own.data) & set(stats.data)
 
 
 def test_no_events_when_disabled_and_no_tier_records_pile_up(events_off: Engine) -> None:

@@ -180,6 +180,15 @@ LOCAL_DISKS: Final = frozenset({"mmap", "lmdb"})
 """Backends whose blocks sit on this machine's disk (vLLM's ``disk`` hit source)."""
 
 
+def _async_min_bytes(setting: int | None, replicated: bool) -> float | None:
+    """The scheduler side's background threshold: ``async_load_min_bytes``, ``None``
+    (unset) for the measured choice, and never for a cache every rank holds alike,
+    which rank 0 sends to the others within the step."""
+    if replicated:
+        return float("inf")
+    return None if setting is None else float(setting)
+
+
 def _lower_source(config: KVOffloadConfig) -> str:
     """vLLM's hit source of the blocks a hit takes from below the cpu tier: ``disk``
     when every lower tier is a local disk, else ``external_unspecified`` (vLLM's value
@@ -265,9 +274,8 @@ class TieredOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
                 prefetch_on_arrival=self.options["prefetch_on_arrival"],
                 block_bytes=self.layout.bytes_per_block,
                 # A cache every rank holds alike is sent by rank 0 within the step.
-                async_min_bytes=float("inf")
-                if self.replicated
-                else float(self.config.async_load_min_bytes),
+                async_min_bytes=_async_min_bytes(self.config.async_load_min_bytes, self.replicated),
+                first_tier=self.config.tiers[0].name if self.config.tiers else "cpu",
                 role=self.kv_role,
                 producer_wait_s=self.config.producer_wait_ms / 1e3,
                 lower_source=_lower_source(self.config),
@@ -397,9 +405,13 @@ class TieredOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
 
     # -------------------------------------------------------------- both sides
     def get_kv_connector_stats(self) -> TieredOffloadStats | None:
-        """Counts since the previous call, from the worker side only. vLLM asks the
-        scheduler side too, and when both share a process it would find the same
-        Offloader: were both to report, every count would be doubled."""
+        """Counts since the previous call: the scheduler side reports its hit-path
+        timings alone (:data:`.hitpath.HIT_COUNTERS`), the worker side everything
+        else. When both share a process the scheduler side would find the same
+        Offloader: were both to report its counts, every one would be doubled."""
+        if self._scheduler is not None:
+            timed = self._scheduler.hitpath.take()
+            return TieredOffloadStats(data=timed) if timed else None
         return None if self._worker is None else self._worker.get_kv_connector_stats()
 
     def get_kv_connector_kv_cache_events(self) -> TieredOffloadKVEvents | None:

@@ -27,6 +27,7 @@ from kvoffload.exceptions import ConfigError
 from kvoffload.metrics import TIER_METRICS
 
 from .config import config_from_vllm
+from .hitpath import HIT_COUNTERS
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -79,6 +80,10 @@ COUNTERS: Final[dict[str, str]] = {
     "or more, or any hit of a model with several KV cache groups): the request waited "
     "while the other requests' steps went on.",
     "blocks_loaded": "Blocks loaded into the engine's KV cache.",
+    "blocks_loaded_in_step": "Of the blocks loaded, those loaded inside the step that "
+    "computes their request (not vLLM's asynchronous loads).",
+    "in_step_load_seconds": "Seconds steps waited for their in-step loads before the "
+    "forward pass (layer-wise loads wait in layer_wait_seconds instead).",
     "blocks_loaded_after_preemption": "Blocks loaded for requests resumed after preemption.",
     "blocks_loaded_layerwise": "Of the blocks loaded, those copied in layer by layer "
     "(layerwise_loads).",
@@ -122,6 +127,9 @@ PREFETCH_COUNTERS: Final[dict[str, str]] = {
     "prefetch_late": "late",
 }
 """The :data:`COUNTERS` read from the Offloader's ``PrefetchStats`` (by field name)."""
+ENGINE_COUNTERS: Final[dict[str, str]] = {**COUNTERS, **HIT_COUNTERS}
+"""Every per-engine counter: the worker side's (:data:`COUNTERS`) and the scheduler
+side's hit-path timings (:data:`.hitpath.HIT_COUNTERS`)."""
 PROM_PREFIX: Final = "vllm:kvoffload_"
 """Prometheus names: ``vllm:kvoffload_<counter>`` and ``vllm:kvoffload_tier_<counter>``
 (label ``tier``). Counters, so the exposition adds ``_total`` (as for vLLM's own)."""
@@ -179,7 +187,7 @@ class TieredOffloadPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]  #
             name: self._counter_cls(
                 name=f"{PROM_PREFIX}{name}", documentation=doc, labelnames=labelnames
             )
-            for name, doc in COUNTERS.items()
+            for name, doc in ENGINE_COUNTERS.items()
         }
         self._tier_counters = {
             name: self._counter_cls(
@@ -192,7 +200,7 @@ class TieredOffloadPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]  #
         self._children: dict[tuple[int, str, str | None], Any] = {}
         tiers = _configured_tiers(vllm_config)
         for engine_idx in per_engine_labelvalues:
-            for name in COUNTERS:
+            for name in ENGINE_COUNTERS:
                 self._child(engine_idx, name, None)
             for tier in tiers:
                 for name in TIER_STATS:
@@ -219,7 +227,7 @@ class TieredOffloadPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]  #
                 tier, _, name = key.removeprefix("tier.").rpartition(".")
                 if tier and name in TIER_STATS:
                     self._child(engine_idx, name, tier).inc(value)
-            elif key in COUNTERS:
+            elif key in ENGINE_COUNTERS:
                 self._child(engine_idx, key, None).inc(value)
 
 

@@ -29,6 +29,7 @@ from .books import _RemoteBooks
 from .config import BOTH, CONSUMER, PRODUCER, ROLES
 from .events import EventBlocks, KVEventTally
 from .groups import FULL, MAMBA, SLIDING, Group
+from .hitpath import HitPath
 from .shared import _REGISTRY, _REGISTRY_LOCK
 
 if TYPE_CHECKING:
@@ -162,7 +163,8 @@ class TieredOffloadScheduler:
         books_timeout_s: float = 1.0,
         prefetch_on_arrival: bool = True,
         block_bytes: int = 0,
-        async_min_bytes: float = float("inf"),
+        async_min_bytes: float | None = float("inf"),
+        first_tier: str = "cpu",
         role: str = BOTH,
         producer_wait_s: float = 10.0,
         lower_source: str = "disk",
@@ -193,8 +195,12 @@ class TieredOffloadScheduler:
         self.prefetch_on_arrival = prefetch_on_arrival
         self.block_bytes = block_bytes
         """Bytes of one block (on one rank): what a hit of n blocks loads."""
-        self.async_min_bytes = async_min_bytes
-        """A hit of at least this many bytes loads in the background."""
+        self.hitpath = HitPath(
+            block_bytes=block_bytes, first_tier=first_tier, async_min_bytes=async_min_bytes
+        )
+        """The hit path's timings, and where each hit loads: a hit of at least
+        ``async_min_bytes`` loads in the background, or, with ``None``, the measured
+        choice (:mod:`.hitpath`)."""
         """vLLM's block hashes are not one per KV cache block: nothing to key, so no
         lookups and no stores."""
         self.asked = ranks if asked is None else asked
@@ -306,6 +312,7 @@ class TieredOffloadScheduler:
             return 0, False
         if state.first_lookup is None:
             state.first_lookup = time.monotonic()
+        self.hitpath.looked(request.request_id)
         # The worker claims the verified prefix (pinned for this request), after
         # prefetching what only a disk tier holds; ``None`` until that is done.
         hit = self._books().lookup(request.request_id, self._keys(request, loadable))
@@ -329,8 +336,10 @@ class TieredOffloadScheduler:
                     self.producer_wait_s * 1e3,
                 )
         if hit <= start:
+            self.hitpath.forget(request.request_id)
             return 0, False
-        background = self._whole_loads or (hit - start) * self.block_bytes >= self.async_min_bytes
+        background = self._whole_loads or self.hitpath.background((hit - start) * self.block_bytes)
+        self.hitpath.answered(request.request_id, background)
         state.background = background
         return hit * self.block_size - num_computed_tokens, background
 
@@ -382,6 +391,9 @@ class TieredOffloadScheduler:
             loads=self._pending_loads,
             stores=self._pending_stores,
             prefill=self._step_sample(scheduler_output),
+        )
+        self.hitpath.step_sent(
+            (load.req_id for load in meta.loads), scheduler_output.num_scheduled_tokens
         )
         self._pending_loads = []
         self._pending_stores = []
@@ -526,6 +538,7 @@ class TieredOffloadScheduler:
         sliding windows at its final boundary (a later turn of the conversation hits
         there) are stored in the next step's metadata, from the blocks held meanwhile."""
         state = self._reqs.pop(request.request_id, None)
+        self.hitpath.forget(request.request_id)
         self._preempted.discard(request.request_id)
         self._failed_loads.discard(request.request_id)
         if state is not None and state.claimed:  # ended before its load: aborted
@@ -587,6 +600,11 @@ class TieredOffloadScheduler:
         blocks may be freed: ``finished_sending``), and the scheduler side forgot
         those requests in ``request_finished`` already."""
         self._step_done()
+        stats = getattr(connector_output, "kv_connector_stats", None)
+        self.hitpath.step_done(
+            getattr(connector_output, "finished_recving", None) or (),
+            getattr(stats, "data", None),
+        )
         # ``getattr``: a field vLLM may move (an open upstream change carries worker
         # events elsewhere); then no events arrive, and nothing breaks.
         self._failed_loads.update(getattr(connector_output, "failed_recving", None) or ())

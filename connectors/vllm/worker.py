@@ -232,6 +232,7 @@ class TieredOffloadWorker:
             return
         shared = self._shared()
         jobs: dict[int, _Job] = {}
+        t0 = time.perf_counter()
         self._deadline = time.monotonic() + self._load_timeout
         for load in meta.loads:
             background = _Background(load, set(), self._deadline) if load.background else None
@@ -260,6 +261,8 @@ class TieredOffloadWorker:
                 self._settle_background(shared, background)
         if jobs and not self.layerwise:
             self._book_loads(shared, self._wait_loads(shared, jobs), jobs, layerwise=False)
+            # What the step waited for its loads: the scheduler side's copy-rate sample.
+            shared.bump("in_step_load_seconds", time.perf_counter() - t0)
         if self.replicated:
             self._send_loads()
 
@@ -297,7 +300,7 @@ class TieredOffloadWorker:
             if result.job_id in self._background:
                 self._gates.pop(result.job_id, None)
                 job = {result.job_id: self._jobs[result.job_id]}
-                self._book_loads(shared, [result], job, layerwise=False)
+                self._book_loads(shared, [result], job, layerwise=False, in_step=False)
                 self._background_done(shared, result.job_id)
 
     def _background_done(self, shared: _Shared, job_id: int) -> None:
@@ -431,7 +434,13 @@ class TieredOffloadWorker:
         self._book_loads(shared, self._wait_loads(shared, jobs), jobs, layerwise=True)
 
     def _book_loads(
-        self, shared: _Shared, results: list[Any], jobs: dict[int, _Job], *, layerwise: bool
+        self,
+        shared: _Shared,
+        results: list[Any],
+        jobs: dict[int, _Job],
+        *,
+        layerwise: bool,
+        in_step: bool = True,
     ) -> None:
         """Count finished load jobs; the blocks they did not load are load errors."""
         bpb = shared.offloader.bpb
@@ -446,6 +455,7 @@ class TieredOffloadWorker:
             # One transaction: a stats reader in another thread sees them in step.
             shared.bump_many(
                 blocks_loaded=loaded,
+                blocks_loaded_in_step=loaded if in_step else 0,
                 tokens_loaded=loaded * self.block_size,
                 blocks_loaded_layerwise=loaded if layerwise else 0,
                 blocks_loaded_after_preemption=loaded if job.load.resumed else 0,

@@ -1,0 +1,228 @@
+"""The hit path, timed phase by phase, and where each hit loads: in the step or behind it.
+
+A tier hit reaches its first token through five phases, all seen from the scheduler
+side (vLLM's scheduler thread), each summed into a counter (``hit_<phase>_seconds``,
+with ``hits_timed`` the hits that reached their first step's output):
+
+- ``lookup``: its first lookup to the lookup that answered a hit (the worker's claim,
+  with the prefetches from a lower tier it waits for, and the books' round trips);
+- ``schedule``: that answer to the step that carries its load (vLLM's allocation and
+  the plan: normally the same scheduler call);
+- ``load``: a background load, from that step to the step output reporting it received
+  (``finished_recving``); an in-step load has none here: its copy is inside its step,
+  timed on the worker (``in_step_load_seconds``, ``layer_wait_seconds``);
+- ``requeue``: a background load, from received to the step that computes the request;
+- ``step``: the step that computes it, scheduling to output (its first token).
+
+The choice, per hit, when ``async_load_min_bytes`` is not set: a load in the step
+delays every request of that step by the copy (the running ones and the arrival), a
+load in the background delays the arrival by about one step instead (vLLM schedules it
+only at the step after the one that reports it received). So the hit loads in the step
+when ``(running + 1) x copy <= step``: the least total delay. ``copy`` is the hit's
+bytes over the measured in-step copy rate (the worker's ``blocks_loaded_in_step`` over
+its waits; before any in-step load, the first tier's store rate: the same copy the
+other way); ``step`` a moving average of the engine's steps; ``running`` the requests
+of the latest step. Until both are measured, :data:`FALLBACK_ASYNC_BYTES` decides.
+
+Kept apart from :mod:`.scheduler` because it is bookkeeping on times and numbers:
+testable with a fake clock and no vLLM.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Final
+
+PHASES: Final = ("lookup", "schedule", "load", "requeue", "step")
+"""The phases of a hit, in order (module docstring)."""
+
+HIT_COUNTERS: Final[dict[str, str]] = {
+    "hits_timed": "Tier hits timed from their first lookup to their first step's output.",
+    "hit_lookup_seconds": "Of the timed hits, seconds from the first lookup to the lookup "
+    "that answered the hit (claim, prefetches from lower tiers, the books' round trips).",
+    "hit_schedule_seconds": "Of the timed hits, seconds from the answer to the step that "
+    "carried the load.",
+    "hit_load_seconds": "Of the timed hits loaded in the background, seconds from the step "
+    "that carried the load to the step output reporting it received.",
+    "hit_requeue_seconds": "Of the timed hits loaded in the background, seconds from "
+    "received to the step that computed the request.",
+    "hit_step_seconds": "Of the timed hits, seconds of the step that computed the request "
+    "(scheduled to output: its first token).",
+    "loads_placed_in_step": "Hits placed in the step by measurement (async_load_min_bytes "
+    "unset): (running + 1) x copy <= step.",
+    "loads_placed_in_background": "Hits placed in the background by measurement.",
+}
+"""The scheduler side's counters (name: Prometheus help text), reported with vLLM's
+connector stats beside the worker's (:data:`.metrics.COUNTERS` includes them)."""
+
+FALLBACK_ASYNC_BYTES: Final = 8 * 1024**2
+"""Before the step time and the copy rate are measured: a hit of this many bytes or
+more loads in the background (the former fixed default; 8 MiB loaded in 0.85 ms in the
+step on a 2-core VM, docs/benchmarks.md)."""
+ALPHA: Final = 0.3
+"""Weight of a new sample in the step-time and copy-rate estimates."""
+MIN_COPY_BYTES: Final = 1 << 20
+"""Least bytes copied in one report for a copy-rate sample (less is mostly overhead)."""
+
+
+@dataclass
+class _Hit:
+    looked: float
+    answered: float | None = None
+    sent: float | None = None
+    background: bool = False
+    received: float | None = None
+    computed: float | None = None
+    """When the step that computes it was scheduled."""
+
+
+@dataclass
+class _Step:
+    sent: float
+    computing: list[str]
+    """Timed hits this step computes (their first step)."""
+
+
+class HitPath:
+    """One engine's hit timings and load placement (see the module docstring). Called
+    from vLLM's scheduler thread only: no lock."""
+
+    def __init__(
+        self,
+        *,
+        block_bytes: int,
+        first_tier: str,
+        async_min_bytes: float | None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.block_bytes = block_bytes
+        self.first_tier = first_tier
+        self.async_min_bytes = async_min_bytes
+        """A fixed threshold (``async_load_min_bytes``), or ``None``: placed by measurement."""
+        self._clock = clock
+        self._hits: dict[str, _Hit] = {}
+        self._steps: list[_Step] = []
+        self._last_done: float | None = None
+        self.step_s: float | None = None
+        """Moving average of a step, scheduling to output."""
+        self.copy_bps: float | None = None
+        """Moving average of the in-step copy rate, bytes per second."""
+        self._store_bps: float | None = None
+        self.running = 0
+        """Requests in the latest step scheduled."""
+        self._counts: dict[str, float] = dict.fromkeys(HIT_COUNTERS, 0)
+        self._reported: dict[str, float] = dict.fromkeys(HIT_COUNTERS, 0)
+
+    # -- the choice --------------------------------------------------------------------
+    def background(self, nbytes: int) -> bool:
+        """Whether a hit of ``nbytes`` (on one rank) loads in the background."""
+        if self.async_min_bytes is not None:
+            return nbytes >= self.async_min_bytes
+        rate = self.copy_bps or self._store_bps
+        if self.step_s is None or not rate:
+            return nbytes >= FALLBACK_ASYNC_BYTES
+        in_step = (self.running + 1) * nbytes / rate <= self.step_s
+        self._counts["loads_placed_in_step" if in_step else "loads_placed_in_background"] += 1
+        return not in_step
+
+    # -- the timeline ------------------------------------------------------------------
+    def looked(self, req_id: str) -> None:
+        """A lookup of ``req_id`` (its first starts its timeline)."""
+        if req_id not in self._hits:
+            self._hits[req_id] = _Hit(self._clock())
+
+    def answered(self, req_id: str, background: bool) -> None:
+        """The lookup answered a hit that loads in the background or not."""
+        hit = self._hits.get(req_id)
+        if hit is not None:
+            hit.answered = self._clock()
+            hit.background = background
+
+    def forget(self, req_id: str) -> None:
+        """``req_id`` ended, or its lookup answered no hit: stop timing it."""
+        self._hits.pop(req_id, None)
+
+    def step_sent(self, loads: Iterable[str], scheduled: Mapping[str, int]) -> None:
+        """A step is scheduled: with ``loads`` (request ids) in its metadata, and
+        ``scheduled`` (request id: tokens to compute)."""
+        now = self._clock()
+        self.running = len(scheduled)
+        for req_id in loads:
+            hit = self._hits.get(req_id)
+            if hit is not None and hit.answered is not None and hit.sent is None:
+                hit.sent = now
+        computing = []
+        for req_id in scheduled:
+            hit = self._hits.get(req_id)
+            if hit is None or hit.sent is None or hit.computed is not None:
+                continue
+            if hit.background and hit.received is None:
+                continue
+            hit.computed = now
+            computing.append(req_id)
+        self._steps.append(_Step(now, computing))
+        del self._steps[:-8]  # a step whose output never came back
+
+    def step_done(self, received: Iterable[str], stats: Mapping[str, float] | None) -> None:
+        """The oldest step in flight has its output: ``received`` are the background
+        loads it reports done, ``stats`` the worker's counters since the previous one."""
+        now = self._clock()
+        for req_id in received:
+            hit = self._hits.get(req_id)
+            if hit is not None and hit.received is None:
+                hit.received = now
+        if stats:
+            self._copy_sample(stats)
+        if not self._steps:
+            return
+        step = self._steps.pop(0)
+        # With asynchronous scheduling a step is scheduled while the previous one runs:
+        # the time since the previous output is then its own; when idle, it is not.
+        start = step.sent
+        if self._last_done is not None and self._last_done > start:
+            start = self._last_done
+        seconds = now - start
+        self._last_done = now
+        self.step_s = _average(self.step_s, seconds)
+        for req_id in step.computing:
+            hit = self._hits.pop(req_id, None)
+            if hit is not None:
+                self._book(hit, now)
+
+    def _book(self, hit: _Hit, done: float) -> None:
+        assert hit.answered is not None
+        assert hit.sent is not None
+        assert hit.computed is not None
+        c = self._counts
+        c["hits_timed"] += 1
+        c["hit_lookup_seconds"] += hit.answered - hit.looked
+        c["hit_schedule_seconds"] += hit.sent - hit.answered
+        if hit.background and hit.received is not None:
+            c["hit_load_seconds"] += hit.received - hit.sent
+            c["hit_requeue_seconds"] += hit.computed - hit.received
+        c["hit_step_seconds"] += done - hit.computed
+
+    def _copy_sample(self, stats: Mapping[str, float]) -> None:
+        """The in-step copy rate from the worker's counters; the first tier's store
+        rate stands in until an in-step load is measured."""
+        blocks = stats.get("blocks_loaded_in_step", 0)
+        seconds = stats.get("in_step_load_seconds", 0) + stats.get("layer_wait_seconds", 0)
+        nbytes = blocks * self.block_bytes
+        if nbytes >= MIN_COPY_BYTES and seconds > 0:
+            self.copy_bps = _average(self.copy_bps, nbytes / seconds)
+        written = stats.get(f"tier.{self.first_tier}.bytes_written", 0)
+        wrote_s = stats.get(f"tier.{self.first_tier}.write_seconds", 0)
+        if written >= MIN_COPY_BYTES and wrote_s > 0:
+            self._store_bps = _average(self._store_bps, written / wrote_s)
+
+    def take(self) -> dict[str, float]:
+        """The counters since the previous call (those that moved)."""
+        delta = {k: v - self._reported[k] for k, v in self._counts.items()}
+        self._reported = dict(self._counts)
+        return {k: v for k, v in delta.items() if v}
+
+
+def _average(old: float | None, sample: float) -> float:
+    return sample if old is None else (1 - ALPHA) * old + ALPHA * sample
