@@ -13,6 +13,26 @@ server, the connector over a cpu tier and an mmap disk tier (written through):
    (same seed, so the same prompts) at ``--request-rate``, above what the engine
    serves (the report's ``request_throughput`` shows it), and is stopped.
 
+**The serving floor** (issue 31): the settings ``alone_big``, ``alone_small``,
+``cpu_warm`` and ``mmap_restart`` compare, on the same dataset at the same rate:
+
+- ``alone_big``: vLLM alone with a KV cache that holds the whole working set (the
+  default 2 GiB), warmed by the same dataset in the same server first: every prompt's
+  full blocks are vLLM's own prefix-cache hits. The floor.
+- ``alone_small``: vLLM alone with ``--small-blocks`` KV cache blocks (far less than
+  the working set), warmed the same way: what the tiers are there to fix.
+- ``cpu_warm``: the small cache and the connector over a cpu tier that holds the working
+  set, warmed the same way in the same server.
+- ``mmap_restart``: the small cache and the connector in a new server whose cpu tier is
+  empty, over the disk tier the fill wrote (a restart).
+
+``vs_floor`` is each one's mean TTFT over ``alone_big``'s (target <= 1.2 for
+``cpu_warm`` and ``mmap_restart``), ``vs_small`` over ``alone_small``'s::
+
+    .venv/bin/python scripts/bench_backlog.py --settings \
+        alone_big,alone_small,cpu_warm,mmap_restart,mmap_restart,cpu_warm,alone_small,alone_big \
+        --json out/bench_serving_floor.json
+
 Reported per run: vLLM's mean / median / p99 TTFT, request throughput, and the
 connector's counters (``prefetches_on_arrival``, ``prefetch_hits``, disk hits); per
 setting the mean over its runs (``--settings`` on,off,off,on by default, so that the
@@ -47,7 +67,19 @@ from real_server import (
     write_config,
 )
 
-SETTINGS = {"on": {"prefetch_on_arrival": True}, "off": {"prefetch_on_arrival": False}}
+SETTINGS: dict[str, dict[str, Any]] = {
+    "on": {"options": {"prefetch_on_arrival": True}},
+    "off": {"options": {"prefetch_on_arrival": False}},
+    "alone_big": {"connector": None, "warm": True},
+    "alone_small": {"connector": None, "warm": True, "small": True},
+    "cpu_warm": {"connector": "cpu", "warm": True, "small": True},
+    "mmap_restart": {"connector": "disk", "small": True},
+}
+"""Per measured run: the connector's config (``disk``: cpu and the filled mmap tier, the
+default; ``cpu``: a cpu tier alone; ``None``: vLLM alone), whether the server first runs
+the same dataset itself (``warm``), whether vLLM's KV cache is ``--small-blocks``, and
+the connector's ``options``."""
+FLOOR = "alone_big"
 
 
 def bench_serve(
@@ -154,6 +186,12 @@ def main() -> None:
         help="measured runs: the disk tier as faultymmap, each I/O first sleeping this long "
         "(a slow volume); 0: plain mmap",
     )
+    p.add_argument(
+        "--small-blocks",
+        type=int,
+        default=256,
+        help="vLLM's KV cache blocks in the settings with a small cache",
+    )
     p.add_argument("--drop-caches", action="store_true", help="drop the page cache (root)")
     p.add_argument("--work", type=Path, default=Path("out/bench_backlog"))
     p.add_argument("--json", type=Path)
@@ -213,10 +251,24 @@ def main() -> None:
         "request_throughput": fill.get("request_throughput"),
     }
     print("fill", json.dumps(report["fill"]), flush=True)
+    cpu_only = write_config(work / "cpu.yaml", [cpu], **extra)
+    configs = {"disk": measured, "cpu": cpu_only, None: None}
     for i, name in enumerate(args.settings.split(",")):
+        setting = SETTINGS[name]
         dropped = _drop(args)
         log = work / f"server-{i}-{name}.log"
-        with serving(model, measured, log, options=SETTINGS[name]) as server:
+        small = ["--num-gpu-blocks-override", str(args.small_blocks)]
+        with serving(
+            model,
+            configs[setting.get("connector", "disk")],
+            log,
+            options=setting.get("options"),
+            extra_args=small if setting.get("small") else None,
+        ) as server:
+            if setting.get("warm"):  # the same prompts first, in this server
+                bench_serve(server, model, args, "inf", work / f"{i}-{name}-warm.json")
+                if setting.get("connector"):
+                    _settle_stores(server, "tier_blocks_stored{cpu}")
             before = server.metrics()
             result = bench_serve(server, model, args, args.request_rate, work / f"{i}-{name}.json")
             time.sleep(2)  # the last steps' stats
@@ -235,6 +287,13 @@ def main() -> None:
                 for k in ("mean_ttft_ms", "p99_ttft_ms", "request_throughput")
             }
     report["summary"] = summary
+    if FLOOR in summary:
+        floor = summary[FLOOR]["mean_ttft_ms"]
+        small_ttft = summary.get("alone_small", {}).get("mean_ttft_ms")
+        for figures in summary.values():
+            figures["vs_floor"] = round(figures["mean_ttft_ms"] / floor, 2)
+            if small_ttft:
+                figures["vs_small"] = round(figures["mean_ttft_ms"] / small_ttft, 2)
     if "on" in summary and "off" in summary:
         on, off = summary["on"], summary["off"]
         report["gain_mean_ttft"] = round(1 - on["mean_ttft_ms"] / off["mean_ttft_ms"], 3)

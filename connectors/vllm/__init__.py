@@ -410,7 +410,7 @@ class TieredOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
         else. When both share a process the scheduler side would find the same
         Offloader: were both to report its counts, every one would be doubled."""
         if self._scheduler is not None:
-            timed = self._scheduler.hitpath.take()
+            timed = self._scheduler.step_stats()
             return TieredOffloadStats(data=timed) if timed else None
         return None if self._worker is None else self._worker.get_kv_connector_stats()
 

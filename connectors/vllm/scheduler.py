@@ -231,6 +231,9 @@ class TieredOffloadScheduler:
         events in a step)."""
         self._in_flight: list[tuple[float, int]] = []
         """Steps scheduled whose output is not in yet: when, and their tokens."""
+        self._output: tuple[set[str], dict[str, Any] | None] = (set(), None)
+        """What the latest ``update_connector_output`` brought for :meth:`step_stats`:
+        the background loads received, the worker's stats."""
         self._sample: tuple[int, float] | None = None
         """The last step timed as a prefill sample, for the next step's metadata."""
         self.generation = 0
@@ -599,10 +602,9 @@ class TieredOffloadScheduler:
         ``get_finished`` collects finished stores and reports the requests whose
         blocks may be freed: ``finished_sending``), and the scheduler side forgot
         those requests in ``request_finished`` already."""
-        self._step_done()
         stats = getattr(connector_output, "kv_connector_stats", None)
-        self.hitpath.step_done(
-            getattr(connector_output, "finished_recving", None) or (),
+        self._output = (
+            set(getattr(connector_output, "finished_recving", None) or ()),
             getattr(stats, "data", None),
         )
         # ``getattr``: a field vLLM may move (an open upstream change carries worker
@@ -611,6 +613,18 @@ class TieredOffloadScheduler:
         events = getattr(connector_output, "kv_cache_events", None)
         if self._events_enabled:
             self._events.extend(self._tally.add(events))
+
+    def step_stats(self) -> dict[str, float]:
+        """A step's output is in: vLLM asks for the scheduler side's stats once per
+        step output (``update_from_output``), whereas ``update_connector_output`` is
+        skipped for a step whose connector output is empty. So a step is timed here,
+        with what ``update_connector_output`` brought, if it came; the hit-path
+        counters since the previous call (:mod:`.hitpath`)."""
+        received, stats = self._output
+        self._output = (set(), None)
+        self._step_done()
+        self.hitpath.step_done(received, stats)
+        return self.hitpath.take()
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """The tiers' ``BlockStored`` / ``BlockRemoved`` events since the previous call
