@@ -19,9 +19,7 @@ class Clock:
 
 
 def _path(clock: Clock, async_min_bytes: float | None = None) -> HitPath:
-    return HitPath(
-        block_bytes=MIB, first_tier="cpu", async_min_bytes=async_min_bytes, clock=clock
-    )
+    return HitPath(block_bytes=MIB, first_tier="cpu", async_min_bytes=async_min_bytes, clock=clock)
 
 
 def test_an_in_step_hit_is_timed_lookup_schedule_and_its_step() -> None:
@@ -174,3 +172,24 @@ def test_asynchronous_scheduling_times_a_step_from_the_previous_output() -> None
     clock.now = 0.2
     path.step_done((), None)  # step 2 done: 0.1 since step 1, not 0.19
     assert path.step_s == pytest.approx(0.1)
+
+
+def test_a_hit_that_ends_in_its_first_step_is_still_booked() -> None:
+    """A one-token request ends (``request_finished``) while vLLM processes its step's
+    output, before it asks for the scheduler side's stats: its timing is kept."""
+    clock = Clock()
+    path = _path(clock)
+    path.looked("r")
+    clock.now = 1.0
+    path.answered("r", background=False)
+    clock.now = 2.0
+    path.step_sent(["r"], {"r": 5})
+    clock.now = 4.0
+    path.forget("r")
+    path.step_done((), None)
+    assert path.take() == {
+        "hits_timed": 1,
+        "hit_lookup_seconds": 1.0,
+        "hit_schedule_seconds": 1.0,
+        "hit_step_seconds": 2.0,
+    }

@@ -81,8 +81,9 @@ class _Hit:
 @dataclass
 class _Step:
     sent: float
-    computing: list[str]
-    """Timed hits this step computes (their first step)."""
+    computing: list[_Hit]
+    """Timed hits this step computes (their first step): held here, since a request
+    of one token ends (``request_finished``) before vLLM asks for the step's stats."""
 
 
 class HitPath:
@@ -161,7 +162,8 @@ class HitPath:
             if hit.background and hit.received is None:
                 continue
             hit.computed = now
-            computing.append(req_id)
+            computing.append(hit)
+            del self._hits[req_id]  # timed from here by its step
         self._steps.append(_Step(now, computing))
         del self._steps[:-8]  # a step whose output never came back
 
@@ -186,10 +188,8 @@ class HitPath:
         seconds = now - start
         self._last_done = now
         self.step_s = _average(self.step_s, seconds)
-        for req_id in step.computing:
-            hit = self._hits.pop(req_id, None)
-            if hit is not None:
-                self._book(hit, now)
+        for hit in step.computing:
+            self._book(hit, now)
 
     def _book(self, hit: _Hit, done: float) -> None:
         assert hit.answered is not None
