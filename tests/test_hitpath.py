@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import pytest
-
 from kvoffload.connectors.vllm.hitpath import FALLBACK_ASYNC_BYTES, MIN_COPY_BYTES, HitPath
 
 MIB = 1024**2
