@@ -568,14 +568,14 @@ class KVOffloadConfig(BaseModel):
     bounds the loads and prefetches themselves, which a short producer wait must not
     cut short."""
     async_load_min_bytes: ByteSize | None = None
-    """Unset (the default): each hit loads where it delays the engine least, by
-    measurement. Inside the step, every request of that step waits for the copy; in the
-    background (vLLM's asynchronous load), the new request waits about one step more
-    while the others go on. So a hit loads in the step when (running requests + 1) x
-    its copy time <= a step, from the measured copy rate and step time (before both are
-    measured: 8 MiB or more loads in the background). Set, a fixed rule: a hit of at
-    least this many bytes (on one rank) loads in the background, smaller ones in the
-    step."""
+    """Unset (the default): each hit loads where it delays the requests least, by
+    measurement. Inside the step, every request of that step waits for the copy; in
+    the background (vLLM's asynchronous load), the new request waits for its load and
+    a requeue while the others go on, slowed by whatever the copy takes from them. The
+    connector measures the copy rate, the steps, and what its background loads cost
+    (docs/vllm.md, "Where a hit loads"); before it has, 8 MiB or more loads in the
+    background. Set, a fixed rule: a hit of at least this many bytes (on one rank)
+    loads in the background, smaller ones in the step."""
     stress: StressConfig = StressConfig()
     """Defaults for ``kvoffload stress``."""
 

@@ -192,3 +192,28 @@ def test_a_hit_that_ends_in_its_first_step_is_still_booked() -> None:
         "hit_schedule_seconds": 1.0,
         "hit_step_seconds": 2.0,
     }
+
+
+def test_a_measured_background_load_weighs_what_it_cost() -> None:
+    """Once a background hit is measured, its wait (load + requeue) and how much
+    longer the step carrying it took replace the one-step guess: a hit that one step
+    sends to the background loads in the step when the background proved dearer."""
+    clock = Clock()
+    path = _path(clock)
+    _measured(path, clock, step_s=0.1, running=4, bps=1000 * MIB)
+    assert path.background(21 * MIB) is True  # 5 x 21 ms > one 100 ms step
+    path.looked("r")
+    path.answered("r", background=True)
+    running = {f"q{i}": 1 for i in range(4)}
+    path.step_sent(["r"], running)
+    clock.now += 0.16  # the step carrying the background load: 60 ms longer
+    path.step_done({"r"}, None)
+    path.step_sent([], {**running, "r": 5})
+    clock.now += 0.01
+    path.step_done((), None)
+    assert path.extra_s == pytest.approx(0.06)
+    assert path.wait_s == pytest.approx(0.16)
+    assert path.step_s == pytest.approx(0.1 * 0.7 + 0.01 * 0.3)  # the plain step only
+    # 5 x 21 ms = 105 ms <= 160 ms + 4 x 60 ms
+    assert path.background(21 * MIB) is False
+    assert path.background(90 * MIB) is True  # 5 x 90 ms = 450 ms > 400 ms

@@ -14,15 +14,23 @@ with ``hits_timed`` the hits that reached their first step's output):
 - ``requeue``: a background load, from received to the step that computes the request;
 - ``step``: the step that computes it, scheduling to output (its first token).
 
-The choice, per hit, when ``async_load_min_bytes`` is not set: a load in the step
-delays every request of that step by the copy (the running ones and the arrival), a
-load in the background delays the arrival by about one step instead (vLLM schedules it
-only at the step after the one that reports it received). So the hit loads in the step
-when ``(running + 1) x copy <= step``: the least total delay. ``copy`` is the hit's
-bytes over the measured in-step copy rate (the worker's ``blocks_loaded_in_step`` over
-its waits; before any in-step load, the first tier's store rate: the same copy the
-other way); ``step`` a moving average of the engine's steps; ``running`` the requests
-of the latest step. Until both are measured, :data:`FALLBACK_ASYNC_BYTES` decides.
+The choice, per hit, when ``async_load_min_bytes`` is not set: the one that delays
+the requests least in total, by measurement.
+
+- In the step, the copy delays every request of that step: ``(running + 1) x copy``.
+- In the background, the arrival waits for its load and its requeue (``wait``: the
+  measured ``load`` + ``requeue`` of earlier background hits, one step until there is
+  one), and each running request for whatever the load adds to the steps it runs in
+  (``extra``: how much longer a step carrying a background load took than a plain
+  one; 0 until measured). On a GPU the copy is DMA and ``extra`` stays near 0; on a
+  CPU engine the copy takes cores from the forward pass, and ``extra`` says how much.
+
+So a hit loads in the step when ``(running + 1) x copy <= wait + running x extra``.
+``copy`` is the hit's bytes over the measured in-step copy rate (the worker's
+``blocks_loaded_in_step`` over its waits; before any in-step load, the first tier's
+store rate: the same copy the other way); ``running`` the requests of the latest step;
+``step`` a moving average of the engine's steps without a background load. Until the
+copy rate and a step are measured, :data:`FALLBACK_ASYNC_BYTES` decides.
 
 Kept apart from :mod:`.scheduler` because it is bookkeeping on times and numbers:
 testable with a fake clock and no vLLM.
@@ -81,6 +89,10 @@ class _Hit:
 @dataclass
 class _Step:
     sent: float
+    background: bool
+    """It carried a background load."""
+    in_step: bool
+    """It carried a load in the step (so it is no plain step either)."""
     computing: list[_Hit]
     """Timed hits this step computes (their first step): held here, since a request
     of one token ends (``request_finished``) before vLLM asks for the step's stats."""
@@ -107,7 +119,11 @@ class HitPath:
         self._steps: list[_Step] = []
         self._last_done: float | None = None
         self.step_s: float | None = None
-        """Moving average of a step, scheduling to output."""
+        """Moving average of a step without a background load, scheduling to output."""
+        self.wait_s: float | None = None
+        """Moving average of a background hit's ``load`` + ``requeue``."""
+        self.extra_s: float | None = None
+        """Moving average of how much longer a step carrying a background load took."""
         self.copy_bps: float | None = None
         """Moving average of the in-step copy rate, bytes per second."""
         self._store_bps: float | None = None
@@ -124,7 +140,10 @@ class HitPath:
         rate = self.copy_bps or self._store_bps
         if self.step_s is None or not rate:
             return nbytes >= FALLBACK_ASYNC_BYTES
-        in_step = (self.running + 1) * nbytes / rate <= self.step_s
+        wait = self.wait_s if self.wait_s is not None else self.step_s
+        extra = self.extra_s or 0.0
+        copy = nbytes / rate
+        in_step = (self.running + 1) * copy <= wait + self.running * extra
         self._counts["loads_placed_in_step" if in_step else "loads_placed_in_background"] += 1
         return not in_step
 
@@ -150,10 +169,13 @@ class HitPath:
         ``scheduled`` (request id: tokens to compute)."""
         now = self._clock()
         self.running = len(scheduled)
+        background = in_step = False
         for req_id in loads:
             hit = self._hits.get(req_id)
             if hit is not None and hit.answered is not None and hit.sent is None:
                 hit.sent = now
+                background = background or hit.background
+                in_step = in_step or not hit.background
         computing = []
         for req_id in scheduled:
             hit = self._hits.get(req_id)
@@ -164,7 +186,7 @@ class HitPath:
             hit.computed = now
             computing.append(hit)
             del self._hits[req_id]  # timed from here by its step
-        self._steps.append(_Step(now, computing))
+        self._steps.append(_Step(now, background, in_step, computing))
         del self._steps[:-8]  # a step whose output never came back
 
     def step_done(self, received: Iterable[str], stats: Mapping[str, float] | None) -> None:
@@ -187,7 +209,10 @@ class HitPath:
             start = self._last_done
         seconds = now - start
         self._last_done = now
-        self.step_s = _average(self.step_s, seconds)
+        if not step.background and not step.in_step:
+            self.step_s = _average(self.step_s, seconds)
+        elif step.background and self.step_s is not None:
+            self.extra_s = _average(self.extra_s, max(0.0, seconds - self.step_s))
         for hit in step.computing:
             self._book(hit, now)
 
@@ -202,6 +227,7 @@ class HitPath:
         if hit.background and hit.received is not None:
             c["hit_load_seconds"] += hit.received - hit.sent
             c["hit_requeue_seconds"] += hit.computed - hit.received
+            self.wait_s = _average(self.wait_s, hit.computed - hit.sent)
         c["hit_step_seconds"] += done - hit.computed
 
     def _copy_sample(self, stats: Mapping[str, float]) -> None:
