@@ -158,6 +158,22 @@ def test_a_fixed_threshold_overrides_the_measurement() -> None:
     assert path.take() == {}
 
 
+def test_prefill_steps_count_only_until_a_decode_step_is_timed() -> None:
+    clock = Clock()
+    path = _path(clock)
+    path.step_sent([], {"a": 2048})  # a prefill chunk: 3 s
+    clock.now = 3.0
+    path.step_done((), None)
+    assert path.step_s == pytest.approx(3.0)
+    path.step_sent([], {"a": 1, "b": 1})  # a decode step: 50 ms
+    clock.now = 3.05
+    path.step_done((), None)
+    path.step_sent([], {"a": 1, "c": 2048})  # another prefill: not the streams' step
+    clock.now = 6.05
+    path.step_done((), None)
+    assert path.step_s == pytest.approx(0.05)
+
+
 def test_asynchronous_scheduling_times_a_step_from_the_previous_output() -> None:
     """A step scheduled while the previous one runs is timed from that one's output,
     not from its scheduling (which would count both)."""
@@ -213,7 +229,7 @@ def test_a_measured_background_load_weighs_what_it_cost() -> None:
     path.step_done((), None)
     assert path.extra_s == pytest.approx(0.06)
     assert path.wait_s == pytest.approx(0.16)
-    assert path.step_s == pytest.approx(0.1 * 0.7 + 0.01 * 0.3)  # the plain step only
+    assert path.step_s == pytest.approx(0.1)  # decode steps only: r's prefill is not one
     # 5 x 21 ms = 105 ms <= 160 ms + 4 x 60 ms
     assert path.background(21 * MIB) is False
     assert path.background(90 * MIB) is True  # 5 x 90 ms = 450 ms > 400 ms

@@ -29,7 +29,8 @@ So a hit loads in the step when ``(running + 1) x copy <= wait + running x extra
 ``copy`` is the hit's bytes over the measured in-step copy rate (the worker's
 ``blocks_loaded_in_step`` over its waits; before any in-step load, the first tier's
 store rate: the same copy the other way); ``running`` the requests of the latest step;
-``step`` a moving average of the engine's steps without a background load. Until the
+a step is a moving average of the engine's decode steps (one token per request: what
+the running requests see), of any step carrying no load until there is one. Until the
 copy rate and a step are measured, :data:`FALLBACK_ASYNC_BYTES` decides.
 
 Kept apart from :mod:`.scheduler` because it is bookkeeping on times and numbers:
@@ -93,6 +94,9 @@ class _Step:
     """It carried a background load."""
     in_step: bool
     """It carried a load in the step (so it is no plain step either)."""
+    decode: bool
+    """Every request it scheduled computes one token: the step the running requests
+    see when nothing arrives (a prefill chunk's step says nothing about them)."""
     computing: list[_Hit]
     """Timed hits this step computes (their first step): held here, since a request
     of one token ends (``request_finished``) before vLLM asks for the step's stats."""
@@ -119,7 +123,10 @@ class HitPath:
         self._steps: list[_Step] = []
         self._last_done: float | None = None
         self.step_s: float | None = None
-        """Moving average of a step without a background load, scheduling to output."""
+        """Moving average of a step carrying no load, scheduling to output: a decode
+        step (one token per request) once there has been one, else any."""
+        self._any_step_s: float | None = None
+        self._decode_s: float | None = None
         self.wait_s: float | None = None
         """Moving average of a background hit's ``load`` + ``requeue``."""
         self.extra_s: float | None = None
@@ -186,7 +193,8 @@ class HitPath:
             hit.computed = now
             computing.append(hit)
             del self._hits[req_id]  # timed from here by its step
-        self._steps.append(_Step(now, background, in_step, computing))
+        decode = sum(scheduled.values()) <= len(scheduled)
+        self._steps.append(_Step(now, background, in_step, decode, computing))
         del self._steps[:-8]  # a step whose output never came back
 
     def step_done(self, received: Iterable[str], stats: Mapping[str, float] | None) -> None:
@@ -210,8 +218,11 @@ class HitPath:
         seconds = now - start
         self._last_done = now
         if not step.background and not step.in_step:
-            self.step_s = _average(self.step_s, seconds)
-        elif step.background and self.step_s is not None:
+            self._any_step_s = _average(self._any_step_s, seconds)
+            if step.decode:
+                self._decode_s = _average(self._decode_s, seconds)
+            self.step_s = self._decode_s if self._decode_s is not None else self._any_step_s
+        elif step.background and step.decode and self.step_s is not None:
             self.extra_s = _average(self.extra_s, max(0.0, seconds - self.step_s))
         for hit in step.computing:
             self._book(hit, now)
