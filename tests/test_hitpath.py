@@ -129,10 +129,11 @@ def test_before_both_estimates_the_fixed_fallback_decides() -> None:
 def test_the_first_tiers_store_rate_stands_in_until_a_load_is_measured() -> None:
     clock = Clock()
     path = _path(clock)
-    path.step_sent([], {})
+    path.step_sent([], {"a": 1})
     clock.now = 1.0
     path.step_done((), {"tier.cpu.bytes_written": 64 * MIB, "tier.cpu.write_seconds": 0.5})
-    # 128 MiB/s, idle engine, a 1 s step: 128 MiB fits, a byte more does not.
+    path.running = 0  # an idle engine
+    # 128 MiB/s, a 1 s step: 128 MiB fits, a byte more does not.
     assert path.background(128 * MIB) is False
     assert path.background(128 * MIB + 1) is True
     _measured(path, clock, step_s=1.0, running=0, bps=1024 * MIB)
@@ -233,3 +234,17 @@ def test_a_measured_background_load_weighs_what_it_cost() -> None:
     # 5 x 21 ms = 105 ms <= 160 ms + 4 x 60 ms
     assert path.background(21 * MIB) is False
     assert path.background(90 * MIB) is True  # 5 x 90 ms = 450 ms > 400 ms
+
+
+def test_a_step_that_scheduled_nothing_is_no_sample() -> None:
+    """vLLM steps with nothing scheduled while requests wait (a lookup, a background
+    load): such a step's millisecond is not the engine's step."""
+    clock = Clock()
+    path = _path(clock)
+    path.step_sent([], {"a": 1})
+    clock.now = 0.05
+    path.step_done((), None)
+    path.step_sent([], {})
+    clock.now = 0.051
+    path.step_done((), None)
+    assert path.step_s == pytest.approx(0.05)

@@ -97,6 +97,9 @@ class _Step:
     decode: bool
     """Every request it scheduled computes one token: the step the running requests
     see when nothing arrives (a prefill chunk's step says nothing about them)."""
+    empty: bool
+    """It scheduled nothing (vLLM steps while requests wait for loads or lookups):
+    no sample of a step."""
     computing: list[_Hit]
     """Timed hits this step computes (their first step): held here, since a request
     of one token ends (``request_finished``) before vLLM asks for the step's stats."""
@@ -193,8 +196,9 @@ class HitPath:
             hit.computed = now
             computing.append(hit)
             del self._hits[req_id]  # timed from here by its step
-        decode = sum(scheduled.values()) <= len(scheduled)
-        self._steps.append(_Step(now, background, in_step, decode, computing))
+        tokens = sum(scheduled.values())
+        decode = tokens <= len(scheduled)
+        self._steps.append(_Step(now, background, in_step, decode, tokens == 0, computing))
         del self._steps[:-8]  # a step whose output never came back
 
     def step_done(self, received: Iterable[str], stats: Mapping[str, float] | None) -> None:
@@ -217,6 +221,14 @@ class HitPath:
             start = self._last_done
         seconds = now - start
         self._last_done = now
+        if not step.empty:
+            self._time_step(step, seconds)
+        for hit in step.computing:
+            self._book(hit, now)
+
+    def _time_step(self, step: _Step, seconds: float) -> None:
+        """A step that computed something took ``seconds``: a plain step's time, or,
+        carrying a background load, what the load added to it."""
         if not step.background and not step.in_step:
             self._any_step_s = _average(self._any_step_s, seconds)
             if step.decode:
@@ -224,8 +236,6 @@ class HitPath:
             self.step_s = self._decode_s if self._decode_s is not None else self._any_step_s
         elif step.background and step.decode and self.step_s is not None:
             self.extra_s = _average(self.extra_s, max(0.0, seconds - self.step_s))
-        for hit in step.computing:
-            self._book(hit, now)
 
     def _book(self, hit: _Hit, done: float) -> None:
         assert hit.answered is not None
