@@ -130,8 +130,9 @@ class Walk:
             "load_timeout_ms": HANG_MS,
             "store_timeout_ms": HANG_MS,
         }
-        if mode == "background":
-            tiers["async_load_min_bytes"] = 1
+        # Every hit in the background, or every one in the step: the measured choice
+        # (the default) depends on the machine's speed, and no count may.
+        tiers["async_load_min_bytes"] = 1 if mode == "background" else 1 << 40
         config = VllmConfig(
             model_config=ModelConfig(
                 model=str(model), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=2048
