@@ -189,8 +189,9 @@ def main() -> None:
     p.add_argument(
         "--small-blocks",
         type=int,
-        default=256,
-        help="vLLM's KV cache blocks in the settings with a small cache",
+        default=128,
+        help="vLLM's KV cache blocks in the settings with a small cache (max_model_len "
+        "2048 there, so that 64 blocks hold one request)",
     )
     p.add_argument("--drop-caches", action="store_true", help="drop the page cache (root)")
     p.add_argument("--work", type=Path, default=Path("out/bench_backlog"))
@@ -264,6 +265,8 @@ def main() -> None:
             log,
             options=setting.get("options"),
             extra_args=small if setting.get("small") else None,
+            # A small cache must still hold one request of the model's length.
+            max_model_len=2048 if setting.get("small") else 8192,
         ) as server:
             if setting.get("warm"):  # the same prompts first, in this server
                 bench_serve(server, model, args, "inf", work / f"{i}-{name}-warm.json")

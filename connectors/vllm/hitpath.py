@@ -4,8 +4,9 @@ A tier hit reaches its first token through five phases, all seen from the schedu
 side (vLLM's scheduler thread), each summed into a counter (``hit_<phase>_seconds``,
 with ``hits_timed`` the hits that reached their first step's output):
 
-- ``lookup``: its first lookup to the lookup that answered a hit (the worker's claim,
-  with the prefetches from a lower tier it waits for, and the books' round trips);
+- ``lookup``: its first lookup to the last, whose hit vLLM allocated blocks for (the
+  worker's claim, with the prefetches from a lower tier it waits for, the books' round
+  trips, and any steps the request waited for free blocks in vLLM's pool);
 - ``schedule``: that answer to the step that carries its load (vLLM's allocation and
   the plan: normally the same scheduler call);
 - ``load``: a background load, from that step to the step output reporting it received
@@ -49,8 +50,9 @@ PHASES: Final = ("lookup", "schedule", "load", "requeue", "step")
 
 HIT_COUNTERS: Final[dict[str, str]] = {
     "hits_timed": "Tier hits timed from their first lookup to their first step's output.",
-    "hit_lookup_seconds": "Of the timed hits, seconds from the first lookup to the lookup "
-    "that answered the hit (claim, prefetches from lower tiers, the books' round trips).",
+    "hit_lookup_seconds": "Of the timed hits, seconds from the first lookup to the last, "
+    "whose hit vLLM allocated blocks for (claim, prefetches from lower tiers, the books' "
+    "round trips, and steps spent waiting for free blocks in vLLM's pool).",
     "hit_schedule_seconds": "Of the timed hits, seconds from the answer to the step that "
     "carried the load.",
     "hit_load_seconds": "Of the timed hits loaded in the background, seconds from the step "
