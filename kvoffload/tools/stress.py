@@ -542,6 +542,12 @@ REPLICAS_SCHEMA: Final = "kvoffload.stress.replicas/1"
 REPLICA_START_TIMEOUT_S: Final = 300.0
 """How long a replica waits for the others to open their tiers before giving up."""
 
+REPLICA_MAX_LEAD: Final = 4
+"""Most requests a replica finishes ahead of the slowest replica still running. A
+fleet's replicas serve at once; one that ran ahead (started first, a core of its own)
+would look up the shared prefixes before the others stored them and measure no
+sharing, so each waits for the slowest (never past the run's duration)."""
+
 
 def shared_tiers(config: KVOffloadConfig) -> list[str]:
     """Names of ``config``'s tiers whose books live on their server
@@ -659,9 +665,11 @@ def run_replicas(
     own cpu tier; its own directory for a local disk tier, see :func:`replica_config`)
     running its :class:`~kvoffload.tools.workloads.ReplicaShare` of the one seeded
     stream, ``ops`` requests or ``duration_s`` seconds. They open their tiers, wait
-    for each other, and start together. ``progress`` gets the requests done by all of
-    them. A replica that fails (its config, its tiers' consistency check, a crash)
-    raises :class:`~kvoffload.exceptions.KVOffloadError` naming it, once all have ended.
+    for each other, start together, and keep within :data:`REPLICA_MAX_LEAD` requests
+    of each other (as a fleet's replicas serve at once). ``progress`` gets the
+    requests done by all of them. A replica that fails (its config, its tiers'
+    consistency check, a crash) raises :class:`~kvoffload.exceptions.KVOffloadError`
+    naming it, once all have ended.
     """
     import multiprocessing
     from multiprocessing.connection import wait
@@ -683,13 +691,14 @@ def run_replicas(
     ctx = multiprocessing.get_context("spawn")
     barrier = ctx.Barrier(replicas)
     done = ctx.Array("q", replicas, lock=False)
+    over = ctx.Array("b", replicas, lock=False)  # a replica's run has ended
     level = logging.getLogger().getEffectiveLevel()
     procs, pipes = [], []
     for r, raw in enumerate(raws):
         reader, writer = ctx.Pipe(duplex=False)
         proc = ctx.Process(
             target=_replica_main,
-            args=(raw, r, replicas, seed, ops, duration_s, barrier, done, writer, level),
+            args=(raw, r, replicas, seed, ops, duration_s, barrier, (done, over), writer, level),
             name=f"kvoffload-stress-replica-{r}",
             daemon=True,
         )
@@ -741,7 +750,7 @@ def _replica_main(
     ops: int,
     duration_s: float,
     barrier: Any,
-    done: Any,
+    progress: tuple[Any, Any],
     out: Any,
     log_level: int,
 ) -> None:
@@ -764,11 +773,22 @@ def _replica_main(
             barrier.abort()  # the others stop waiting for us
             raise
         barrier.wait(timeout=REPLICA_START_TIMEOUT_S)
+        done, over = progress
+        others = [i for i in range(replicas) if i != replica]
+        give_up = time.monotonic() + duration_s
 
         def tick(n: int, _t: float) -> None:
             done[replica] = n
+            while time.monotonic() < give_up:  # stay within REPLICA_MAX_LEAD of the slowest
+                running = [done[i] for i in others if not over[i]]
+                if not running or n - min(running) <= REPLICA_MAX_LEAD:
+                    return
+                time.sleep(0.002)
 
-        report = runner.run(ops=ops, duration_s=duration_s, progress=tick)
+        try:
+            report = runner.run(ops=ops, duration_s=duration_s, progress=tick)
+        finally:
+            over[replica] = 1
         out.send(("ok", report))
     except threading.BrokenBarrierError:
         out.send(("broken", "another replica failed to start"))

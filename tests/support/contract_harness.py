@@ -30,10 +30,12 @@ The invariants are methods named ``check_*``, so a failure names the one it brok
 
 from __future__ import annotations
 
+import atexit
 import collections
 import functools
 import itertools
 import os
+import shutil
 import tempfile
 import time
 import uuid
@@ -90,6 +92,8 @@ def workdir() -> Path:
     global _WORKDIR
     if _WORKDIR is None:
         _WORKDIR = Path(tempfile.mkdtemp(prefix="kvoffload-contract-"))
+        # Hundreds of MB of tier files per process: removed when the process ends.
+        atexit.register(shutil.rmtree, _WORKDIR, ignore_errors=True)
         write_tiny_llama(_WORKDIR / "model")
     return _WORKDIR
 
