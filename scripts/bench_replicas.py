@@ -16,6 +16,10 @@ the server. Usage::
 
     .venv/bin/python scripts/bench_replicas.py [--ops 2000] [--seeds 0,1,2] [--json PATH]
 
+With ``--admit-after-hits N`` it measures admission instead: the two replicas with the
+shared tier writing every block, then admitting only blocks loaded N times (bytes the
+server took, its hits, the hit rate).
+
 Needs ``redis-server`` on the PATH (the Debian package ``redis-server``).
 """
 
@@ -46,7 +50,8 @@ CPU_BLOCKS = 128
 """Blocks of each replica's cpu tier (16 KiB each): a tenth of the prefix set."""
 
 
-def config(server: RedisServer, seed: int) -> KVOffloadConfig:
+def config(server: RedisServer, seed: int, admit_after_hits: int = 0) -> KVOffloadConfig:
+    shared: dict[str, Any] = {"admit_after_hits": admit_after_hits} if admit_after_hits else {}
     return load_config(
         {
             "tiers": [
@@ -59,6 +64,7 @@ def config(server: RedisServer, seed: int) -> KVOffloadConfig:
                     # Room for every store in flight: a dropped store would be a miss
                     # caused by backpressure, not by what the replicas share.
                     "max_pending_stores": 256,
+                    **shared,
                 },
             ],
             "stress": {"preset": "tiny", "workload": "zipf", "concurrency": 4, "seed": seed},
@@ -75,6 +81,8 @@ def summary(report: StressReport) -> dict[str, Any]:
         "blocks_loaded": report.blocks_loaded,
         "hits": {t.name: t.hits for t in report.tiers},
         "dropped_stores": {t.name: t.dropped_stores for t in report.tiers},
+        "bytes_written": {t.name: t.bytes_written for t in report.tiers},
+        "not_admitted": {t.name: t.not_admitted for t in report.tiers},
         "integrity_errors": report.integrity_errors,
         "duration_s": report.duration_s,
     }
@@ -140,12 +148,67 @@ def bench_seed(server: RedisServer, seed: int, ops: int) -> dict[str, Any]:
     }
 
 
+def bench_admission(server: RedisServer, seed: int, ops: int, admit: int) -> dict[str, Any]:
+    """Two replicas with the shared tier writing every block, then admitting only
+    blocks loaded ``admit`` times (``admit_after_hits``): bytes the server took and
+    the hits each way, on the same stream."""
+    rows = {}
+    for label, n in (("every", 0), ("admit", admit)):
+        server.client().flushall()
+        pair = run_replicas(
+            config(server, seed, n), replicas=2, ops=ops, duration_s=3600, seed=seed
+        ).reports
+        rows[label] = {
+            "written": sum(r.tiers[1].bytes_written for r in pair),
+            "redis_hits": sum(r.tiers[1].hits for r in pair),
+            "hit_rate": sum(r.blocks_loaded for r in pair) / sum(r.blocks_requested for r in pair),
+            "replicas": [summary(r) for r in pair],
+        }
+    server.client().flushall()
+    return {"seed": seed, "admit_after_hits": admit, **rows}
+
+
+def admission_main(args: argparse.Namespace) -> None:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-replicas-") as tmp:
+        server = RedisServer(Path(tmp), maxmemory="1gb").start()
+        try:
+            for seed in (int(s) for s in args.seeds.split(",")):
+                rows.append(bench_admission(server, seed, args.ops, args.admit_after_hits))
+        finally:
+            server.kill()
+    print(
+        f"{'seed':>4} {'MB written every/admit':>23} {'cut':>6} "
+        f"{'redis hits every/admit':>23} {'hit rate every/admit':>21}"
+    )
+    for r in rows:
+        e, a = r["every"], r["admit"]
+        written = f"{e['written'] / 1e6:.1f}/{a['written'] / 1e6:.1f}"
+        hits = f"{e['redis_hits']}/{a['redis_hits']}"
+        rates = f"{e['hit_rate']:.4f}/{a['hit_rate']:.4f}"
+        cut = e["written"] / max(1, a["written"])
+        print(f"{r['seed']:>4} {written:>23} {cut:>5.2f}x {hits:>23} {rates:>21}")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"ops_per_replica": args.ops, "seeds": rows}, indent=2))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ops", type=int, default=2000, help="requests per replica")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument(
+        "--admit-after-hits",
+        type=int,
+        default=0,
+        help="instead: two replicas with the shared tier writing every block, then with "
+        "this admit_after_hits (bytes written and hits, each way)",
+    )
     args = ap.parse_args()
+    if args.admit_after_hits:
+        admission_main(args)
+        return
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-replicas-") as tmp:
         server = RedisServer(Path(tmp), maxmemory="1gb").start()
