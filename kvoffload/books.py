@@ -347,11 +347,14 @@ class Books:
         failure trips it again at once (the count is still over the limit)."""
         if ok:
             self._failures[t] = 0
+            self.stats[t].breaker_open = 0
             return
         self._failures[t] += 1
         cfg = self.configs[t]
         now = time.monotonic()
         tripped = cfg.breaker_errors and self._failures[t] >= cfg.breaker_errors
+        if tripped:  # open, or probed and failed again: open until a success
+            self.stats[t].breaker_open = 1
         if tripped and now >= self._bypass_until[t]:
             self._bypass_until[t] = now + cfg.breaker_backoff_ms / 1e3
             self.stats[t].breaker_trips += 1

@@ -17,10 +17,20 @@ classes built on it inherit the counters instead of restating them:
 :class:`~kvoffload.books.TierStats` (the books' live counters, plus latency samples)
 and the stress report's ``TierReport`` (plus rates and percentiles).
 
-Every tier metric is a counter: it only goes up, and counts since the Offloader
+Almost every tier metric is a counter: it only goes up, and counts since the Offloader
 started. The connector relies on that: it reports deltas, and vLLM aggregates workers
-and intervals by addition, which is meaningless for a gauge. A gauge would need a
-different path there, so the schema offers none until a consumer needs one.
+and intervals by addition. One is a gauge (``kind="gauge"``: ``breaker_open``), a state
+now; its deltas go the same way (a drop is a negative delta), and they telescope: the
+sum of an engine's deltas is its value now, summed over the workers that report it (a
+tensor-parallel engine: how many ranks have the tier's breaker open).
+
+Latency is a distribution, not one number: the books keep each tier's recent samples
+(for the stress report's percentiles) in :class:`LatencySamples`, which also keep a
+histogram of every sample since start, in fixed buckets (:data:`LATENCY_BUCKETS`):
+per bucket a count and a sum of seconds, both counters, so they travel as the other
+counters do and the exposition rebuilds a Prometheus histogram from them (p50 / p99
+with ``histogram_quantile``). Declared here (:data:`TIER_HISTOGRAMS`) beside the
+counters, for the same reason.
 
 Adding a tier counter: one field below (its help text, unit, and optionally a stress
 table column), plus the line in the books that counts it, or, for what only the medium
@@ -33,11 +43,19 @@ imports nothing of ours: it sits with the basic data at the bottom of the layers
 
 from __future__ import annotations
 
+import math
+from bisect import bisect_left
+from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Final, Literal
 
-Unit = Literal["blocks", "bytes", "events", "seconds"]
-"""What a counter counts. ``seconds`` counters are floats, the others ints."""
+Unit = Literal["blocks", "bytes", "events", "seconds", "state"]
+"""What a counter counts. ``seconds`` counters are floats, the others ints; a ``state``
+is a gauge's value (0 or 1 per tier and worker)."""
+
+Kind = Literal["counter", "gauge"]
+"""A counter only goes up; a gauge is a state now (see the module docstring)."""
 
 Source = Literal["books", "backend"]
 """Who counts a counter: the Offloader's books (as they plan and settle jobs), or the
@@ -63,6 +81,8 @@ class Metric:
     (the table is only so wide; the ``--json`` report has every counter)."""
     source: Source = "books"
     """Who counts it (see :data:`Source`)."""
+    kind: Kind = "counter"
+    """A counter (Prometheus appends ``_total``) or a gauge (named as declared)."""
 
     @property
     def type(self) -> type[int] | type[float]:
@@ -79,6 +99,11 @@ def _count(
 ) -> int:
     """A counter field of whole ``unit``: its default is 0, its metadata the schema."""
     return field(default=0, metadata={_METRIC: Metric("", help, unit, column, source)})
+
+
+def _gauge(help: str) -> int:
+    """A gauge field: a state now, 0 at start (see the module docstring)."""
+    return field(default=0, metadata={_METRIC: Metric("", help, "state", None, kind="gauge")})
 
 
 def _seconds(help: str, *, column: str | None = None) -> float:
@@ -164,6 +189,10 @@ class TierCounters:
     bypassed_stores: int = _count(
         "Blocks not written into this tier because its breaker was open (bypassed)."
     )
+    breaker_open: int = _gauge(
+        "Whether this tier's circuit breaker is open: 1 from its trip until a read or write "
+        "of it succeeds again (bypassed, then probed), else 0; summed over reporting workers."
+    )
     round_trips: int = _count(
         "Requests sent to the tier's server (pipelined batches, retries and handshakes "
         "included); 0 for local tiers.",
@@ -218,3 +247,108 @@ def tier_fields(counters: TierCounters) -> dict[str, Any]:
     """Identity and counters of one tier by field name: what a class derived from
     :class:`TierCounters` is built from (see the stress report)."""
     return {f.name: getattr(counters, f.name) for f in fields(TierCounters)}
+
+
+# ------------------------------------------------------------------- latency histograms
+LATENCY_BUCKETS: Final[tuple[float, ...]] = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+"""Upper bounds (seconds, inclusive, as Prometheus's ``le``) of the latency histograms'
+buckets; one more bucket, ``+Inf``, takes the rest. From a memory tier's fraction of
+a millisecond to a hanging server's seconds: a quantile is only as fine as its bucket."""
+
+
+@dataclass(frozen=True, slots=True)
+class Histogram:
+    """One per-tier latency histogram's declaration."""
+
+    name: str
+    """Its stats key stem (``tier.<tier>.<name>_n<i>`` / ``_s<i>``, see
+    :func:`histogram_values`) and its Prometheus name after ``..._tier_``."""
+    help: str
+    """One plain-text sentence: Prometheus help and docs."""
+    samples: str
+    """The :class:`LatencySamples` attribute of the books' ``TierStats`` it reads."""
+
+
+TIER_HISTOGRAMS: Final[tuple[Histogram, ...]] = (
+    Histogram(
+        "load_latency_seconds",
+        "Seconds from submitting a load job to its end, for loads whose slowest tier was "
+        "this one (prefetches into the cpu tier are not loads).",
+        "load_latency_s",
+    ),
+    Histogram(
+        "store_latency_seconds",
+        "Seconds from submitting a write job into this tier to its end: engine stores, "
+        "copies down the chain and promotions, queueing included.",
+        "store_latency_s",
+    ),
+)
+"""Every per-tier latency histogram."""
+
+
+class LatencySamples(deque[float]):
+    """A tier's latency samples in one direction: the most recent ``maxlen`` of them
+    (a deque, for the stress report's exact percentiles) and a histogram of every one
+    since start (:attr:`histogram`, for Prometheus).
+
+    The lane threads append under the books' lock; a stats reader takes the histogram
+    without it. So the histogram is one tuple, replaced whole on each sample: a reader
+    gets a bucket's count and its seconds from the same moment, never one updated and
+    the other not (a torn pair would put a sample in the wrong bucket downstream)."""
+
+    def __init__(self, samples: Iterable[float] = (), maxlen: int | None = None) -> None:
+        super().__init__((), maxlen)
+        n = len(LATENCY_BUCKETS) + 1
+        self.histogram: tuple[tuple[int, ...], tuple[float, ...]] = ((0,) * n, (0.0,) * n)
+        """Per bucket of :data:`LATENCY_BUCKETS` (then ``+Inf``): samples, and their
+        seconds summed. Per bucket, not cumulative: Prometheus's ``le`` buckets are
+        made from it downstream."""
+        self.extend(samples)
+
+    def append(self, seconds: float) -> None:
+        super().append(seconds)
+        i = bisect_left(LATENCY_BUCKETS, seconds)  # the first bound >= seconds: le
+        counts, sums = self.histogram
+        self.histogram = (
+            (*counts[:i], counts[i] + 1, *counts[i + 1 :]),
+            (*sums[:i], sums[i] + seconds, *sums[i + 1 :]),
+        )
+
+    def extend(self, samples: Iterable[float]) -> None:
+        for seconds in samples:
+            self.append(seconds)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # deque's own would re-append the kept samples after restoring the histogram
+        # (copy does), counting them twice: rebuild from them, then restore it.
+        return type(self), (list(self), self.maxlen), {"histogram": self.histogram}
+
+    def __copy__(self) -> LatencySamples:
+        new = type(self)(self, self.maxlen)
+        new.histogram = self.histogram
+        return new
+
+
+def histogram_values(name: str, samples: LatencySamples) -> dict[str, int | float]:
+    """One histogram's buckets as counters: ``<name>_n<i>`` (samples in bucket ``i``)
+    and ``<name>_s<i>`` (their seconds), for the buckets that hold any."""
+    counts, sums = samples.histogram
+    out: dict[str, int | float] = {}
+    for i, count in enumerate(counts):
+        if count:
+            out[f"{name}_n{i}"] = count
+            out[f"{name}_s{i}"] = sums[i]
+    return out
+
+
+def bucket_value(i: int, count: int, seconds: float) -> float:
+    """A value that lies in bucket ``i`` and, observed ``count`` times, adds ``seconds``:
+    the bucket's samples' mean (inside the bucket, as any mean of values in it),
+    kept inside its bounds against rounding. How the exposition turns a bucket's
+    deltas back into observations of a Prometheus histogram."""
+    lower = LATENCY_BUCKETS[i - 1] if i > 0 else -math.inf
+    upper = LATENCY_BUCKETS[i] if i < len(LATENCY_BUCKETS) else math.inf
+    mean = seconds / count
+    return min(max(mean, math.nextafter(lower, math.inf)), upper)

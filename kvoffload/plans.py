@@ -13,13 +13,12 @@ without reaching into each other, and so that each module keeps one role.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 from kvoffload.keys import BlockKey
-from kvoffload.metrics import TierCounters
+from kvoffload.metrics import LatencySamples, TierCounters
 
 LATENCY_SAMPLES: Final = 8192
 """Latency samples kept per tier and direction (the most recent ones): enough for a
@@ -34,11 +33,16 @@ class TierStats(TierCounters):
 
     The counters themselves, with their meaning, are declared once in
     :class:`~kvoffload.metrics.TierCounters`, whence every output takes them; this
-    class adds what only the books keep: recent latency samples."""
+    class adds what only the books keep: latency samples, recent ones and a histogram
+    of all (:class:`~kvoffload.metrics.LatencySamples`)."""
 
-    store_latency_s: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_SAMPLES))
+    store_latency_s: LatencySamples = field(
+        default_factory=lambda: LatencySamples(maxlen=LATENCY_SAMPLES)
+    )
     """Submit-to-done time of store jobs into this tier."""
-    load_latency_s: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_SAMPLES))
+    load_latency_s: LatencySamples = field(
+        default_factory=lambda: LatencySamples(maxlen=LATENCY_SAMPLES)
+    )
     """Submit-to-done time of loads whose slowest tier was this one."""
 
 

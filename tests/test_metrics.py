@@ -29,6 +29,7 @@ from support.checkout import REPO
 
 from kvoffload import books, offloader
 from kvoffload.metrics import (
+    TIER_HISTOGRAMS,
     TIER_IDENTITY,
     TIER_METRIC,
     TIER_METRICS,
@@ -38,6 +39,8 @@ from kvoffload.metrics import (
 )
 
 HAS_VLLM: Final = importlib.util.find_spec("vllm") is not None
+TIER_SERIES_NAMES: Final = (*TIER_METRIC, *(h.name for h in TIER_HISTOGRAMS))
+"""Every per-tier Prometheus metric after ``vllm:kvoffload_tier_``."""
 
 
 def _sample_stats() -> books.TierStats:
@@ -159,12 +162,25 @@ def test_connector_stats_and_prometheus_carry_every_counter() -> None:
         counters={},
         # Offloader.counters() as the real one builds it, from the sample tier's stats.
         offloader=SimpleNamespace(
-            counters=lambda: ({stats.name: tier_values(stats)}, PrefetchStats())
+            counters=lambda: ({stats.name: tier_values(stats)}, PrefetchStats()),
+            stats=[stats],
         ),
     )
     snapshot = _snapshot(shared)  # type: ignore[arg-type]
     tier_keys = {k: v for k, v in snapshot.items() if k.startswith("tier.")}
-    assert tier_keys == {f"tier.ssd.{m.name}": getattr(stats, m.name) for m in TIER_METRICS}
+    # The samples 0.001 and 0.002 (stores) and 0.003 (loads) fall in buckets 1, 2, 3.
+    buckets = {
+        "store_latency_seconds_n1": 1,
+        "store_latency_seconds_s1": 0.001,
+        "store_latency_seconds_n2": 1,
+        "store_latency_seconds_s2": 0.002,
+        "load_latency_seconds_n3": 1,
+        "load_latency_seconds_s3": 0.003,
+    }
+    assert tier_keys == {
+        **{f"tier.ssd.{m.name}": getattr(stats, m.name) for m in TIER_METRICS},
+        **{f"tier.ssd.{k}": v for k, v in buckets.items()},
+    }
 
     registry = CollectorRegistry()  # not the global one: vLLM calls the classes
     types = {c: functools.partial(c, registry=registry) for c in (Counter, Gauge, Histogram)}
@@ -172,13 +188,26 @@ def test_connector_stats_and_prometheus_carry_every_counter() -> None:
     prom = TieredOffloadPromMetrics(vllm_config, types, ["engine"], {0: ["0"]})
     prom.observe(snapshot, engine_idx=0)
     helps = {m.name: m.documentation for m in registry.collect()}
+    labels = {"engine": "0", "tier": "ssd"}
     for m in TIER_METRICS:
         series = f"{TIER_PROM_PREFIX}{m.name}"
         assert helps[series] == m.help
-        value = registry.get_sample_value(f"{series}_total", {"engine": "0", "tier": "ssd"})
-        assert value == getattr(stats, m.name), series
+        sample = f"{series}_total" if m.kind == "counter" else series
+        assert registry.get_sample_value(sample, labels) == getattr(stats, m.name), series
+    for h in TIER_HISTOGRAMS:
+        assert helps[f"{TIER_PROM_PREFIX}{h.name}"] == h.help
+    # Each sample in its own bucket, and the sums exact (the bucket's mean observed).
+    store = f"{TIER_PROM_PREFIX}store_latency_seconds"
+    le = {"0.0005": 0, "0.001": 1, "0.0025": 2, "10.0": 2, "+Inf": 2}
+    for bound, count in le.items():
+        assert registry.get_sample_value(f"{store}_bucket", {**labels, "le": bound}) == count
+    assert registry.get_sample_value(f"{store}_sum", labels) == pytest.approx(0.003)
+    load = f"{TIER_PROM_PREFIX}load_latency_seconds"
+    assert registry.get_sample_value(f"{load}_bucket", {**labels, "le": "0.0025"}) == 0
+    assert registry.get_sample_value(f"{load}_bucket", {**labels, "le": "0.005"}) == 1
+    assert registry.get_sample_value(f"{load}_sum", labels) == pytest.approx(0.003)
     tier_series = {n for n in helps if n.startswith(TIER_PROM_PREFIX)}
-    assert tier_series == {f"{TIER_PROM_PREFIX}{m.name}" for m in TIER_METRICS}
+    assert tier_series == {f"{TIER_PROM_PREFIX}{n}" for n in TIER_SERIES_NAMES}
 
 
 # ---------------------------------------------------------------------------- docs
@@ -203,8 +232,9 @@ def vllm_table() -> str:
     """docs/vllm.md: the connector's per-tier keys and their Prometheus counters."""
     from kvoffload.connectors.vllm.metrics import TIER_PROM_PREFIX
 
+    suffix = {"counter": "_total", "gauge": ""}
     rows = [
-        f"| `{m.name}` | `{TIER_PROM_PREFIX}{m.name}_total` | {m.unit} | {_cell(m)} |"
+        f"| `{m.name}` | `{TIER_PROM_PREFIX}{m.name}{suffix[m.kind]}` | {m.unit} | {_cell(m)} |"
         for m in TIER_METRICS
     ]
     head = ["| counter | Prometheus | unit | what |", "| --- | --- | --- | --- |"]
@@ -243,8 +273,8 @@ def test_docs_tables_are_generated_from_the_schema(doc: str) -> None:
 
 TIER_KEY: Final = re.compile(r"\btier\.(?:<name>|[A-Za-z0-9_-]+)\.([a-z_]+)\b")
 """A connector stats key in prose: ``tier.<name>.corrupt_blocks``, ``tier.ssd.hits``."""
-TIER_SERIES: Final = re.compile(r"kvoffload_tier_([a-z_]+?)(?:_total)?\b")
-"""A Prometheus tier series in prose."""
+TIER_SERIES: Final = re.compile(r"kvoffload_tier_([a-z_]+?)(?:_total|_bucket|_sum|_count)?\b")
+"""A Prometheus tier series in prose (a histogram's too)."""
 
 
 def test_docs_name_only_declared_counters() -> None:
@@ -252,9 +282,9 @@ def test_docs_name_only_declared_counters() -> None:
     unknown: list[str] = []
     for path in sorted([REPO / "README.md", *(REPO / "docs").glob("*.md")]):
         text = path.read_text(encoding="utf-8")
-        for pattern in (TIER_KEY, TIER_SERIES):
+        for pattern, known in ((TIER_KEY, TIER_METRIC), (TIER_SERIES, TIER_SERIES_NAMES)):
             for match in pattern.finditer(text):
-                if match.group(1) not in TIER_METRIC:
+                if match.group(1) not in known:
                     line = text.count("\n", 0, match.start()) + 1
                     unknown.append(f"{path.relative_to(REPO)}:{line}: {match.group(0)}")
     assert not unknown, "counters the schema does not declare:\n" + "\n".join(unknown)

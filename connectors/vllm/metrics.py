@@ -3,17 +3,19 @@
 The counters live with the worker side's state (:class:`~.shared._Shared` and the
 Offloader's own ``TierStats``); this module names the connector's own
 (:data:`COUNTERS`), takes the tiers' from the tier metric schema
-(:data:`TIER_STATS`, from :mod:`kvoffload.metrics`, so the stress report, the docs and
-this exposition cannot disagree on them), reads them (:func:`_snapshot`), carries their
-deltas to vLLM (:class:`TieredOffloadStats`) and exposes them as ``vllm:kvoffload_*``
-counters (:class:`TieredOffloadPromMetrics`, built in vLLM's metrics process, which
-runs neither role). One module, because the names, the help texts and the exposition
-must agree.
+(:data:`TIER_STATS`, and the latency histograms :data:`~kvoffload.metrics.TIER_HISTOGRAMS`,
+from :mod:`kvoffload.metrics`, so the stress report, the docs and this exposition cannot
+disagree on them), reads them (:func:`_snapshot`), carries their deltas to vLLM
+(:class:`TieredOffloadStats`) and exposes them as ``vllm:kvoffload_*`` counters, a
+gauge and histograms (:class:`TieredOffloadPromMetrics`, built in vLLM's metrics
+process, which runs neither role). One module, because the names, the help texts and
+the exposition must agree.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Protocol
@@ -24,7 +26,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from kvoffload.exceptions import ConfigError
-from kvoffload.metrics import TIER_METRICS
+from kvoffload.metrics import (
+    LATENCY_BUCKETS,
+    TIER_HISTOGRAMS,
+    TIER_METRIC,
+    TIER_METRICS,
+    bucket_value,
+    histogram_values,
+)
 
 from .config import config_from_vllm
 from .hitpath import HIT_COUNTERS
@@ -39,17 +48,24 @@ logger = logging.getLogger(__name__)
 TIER_STATS: Final[dict[str, str]] = {m.name: m.help for m in TIER_METRICS}
 """Per-tier counters (name: Prometheus help text): every counter of the tier metric
 schema (:data:`kvoffload.metrics.TIER_METRICS`), read from the Offloader's
-``TierStats``. The ``seconds`` ones are floats, the others ints."""
+``TierStats``. The ``seconds`` ones are floats, the others ints; ``breaker_open`` is
+a gauge."""
+
+_BUCKET_KEY: Final = re.compile(rf"({'|'.join(h.name for h in TIER_HISTOGRAMS)})_([ns])(\d+)")
+"""A latency histogram's bucket key after ``tier.<name>.``: ``<histogram>_n<i>`` (the
+samples in bucket ``i``) or ``_s<i>`` (their seconds); see
+:func:`kvoffload.metrics.histogram_values`."""
 
 
 @dataclass
 class TieredOffloadStats(KVConnectorStats):  # type: ignore[misc]  # vLLM: Any
     """vLLM's connector stats: counts since the previous report, summed over workers.
 
-    ``data`` maps ``<counter>`` (see :data:`COUNTERS`) and ``tier.<name>.<counter>``
-    (see :data:`TIER_STATS`) to numbers (ints; the ``*_seconds`` ones floats); every
-    value is a sum, so aggregating workers and intervals is addition, and the reduction
-    is the data itself."""
+    ``data`` maps ``<counter>`` (see :data:`COUNTERS`), ``tier.<name>.<counter>`` (see
+    :data:`TIER_STATS`) and ``tier.<name>.<histogram>_n<i>`` / ``_s<i>`` (a latency
+    bucket's samples and seconds) to numbers (ints; the seconds floats); every value is
+    a sum (a gauge's deltas too), so aggregating workers and intervals is addition, and
+    the reduction is the data itself."""
 
     def reset(self) -> None:
         self.data = dict[str, Any]()
@@ -153,7 +169,8 @@ def _snapshot(shared: _Counted) -> dict[str, int | float]:
     any reader's (:func:`~.shared.connector_counters`) while the books server's thread
     and the Offloader's lanes count: each group is read under the lock it is counted
     under (the connector's under ``shared.lock``, the tiers' and the prefetches' under
-    the Offloader's books lock, by ``Offloader.counters``), so each is consistent."""
+    the Offloader's books lock, by ``Offloader.counters``; each latency histogram in
+    one read), so each is consistent."""
     with shared.lock:
         counts: dict[str, int | float] = dict(shared.counters)
     tiers, prefetch = shared.offloader.counters()
@@ -162,18 +179,28 @@ def _snapshot(shared: _Counted) -> dict[str, int | float]:
     for tier, values in tiers.items():
         for name, value in values.items():
             counts[f"tier.{tier}.{name}"] = value
+    for stats in shared.offloader.stats:  # each histogram is read whole: see LatencySamples
+        for h in TIER_HISTOGRAMS:
+            for name, value in histogram_values(h.name, getattr(stats, h.samples)).items():
+                counts[f"tier.{stats.name}.{name}"] = value
     return counts
 
 
 class TieredOffloadPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]  # vLLM: Any
-    """Prometheus counters for :class:`TieredOffloadStats`, built by vLLM's metrics
-    process: ``vllm:kvoffload_<counter>`` per engine for :data:`COUNTERS`, and
-    ``vllm:kvoffload_tier_<counter>`` per engine and ``tier`` for :data:`TIER_STATS`.
+    """Prometheus metrics for :class:`TieredOffloadStats`, built by vLLM's metrics
+    process: ``vllm:kvoffload_<counter>`` per engine for :data:`COUNTERS`,
+    ``vllm:kvoffload_tier_<counter>`` per engine and ``tier`` for :data:`TIER_STATS`
+    (counters, and the ``breaker_open`` gauge), and the latency histograms
+    ``vllm:kvoffload_tier_<histogram>`` (:data:`~kvoffload.metrics.TIER_HISTOGRAMS`).
 
-    The stats are deltas, so ``observe`` adds each to its counter. The configured tiers'
-    series are created up front (at zero, so rates work from the first scrape); a tier
-    the config does not name (it changed under a running worker) gets its series when
-    first seen, and keys this version does not know are ignored."""
+    The stats are deltas, so ``observe`` adds each to its counter (or gauge: a negative
+    delta lowers it). A histogram's deltas come per bucket, a count and its seconds;
+    ``observe`` observes the bucket's mean that many times (a value inside the bucket,
+    :func:`~kvoffload.metrics.bucket_value`), so every bucket's count and the
+    histogram's sum are the tier's own. The configured tiers' series are created up
+    front (at zero, so rates work from the first scrape); a tier the config does not
+    name (it changed under a running worker) gets its series when first seen, and keys
+    this version does not know are ignored."""
 
     def __init__(
         self,
@@ -189,13 +216,30 @@ class TieredOffloadPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]  #
             )
             for name, doc in ENGINE_COUNTERS.items()
         }
-        self._tier_counters = {
+        tier_labels = [*labelnames, "tier"]
+        self._tier_metrics = {
             name: self._counter_cls(
+                name=f"{TIER_PROM_PREFIX}{name}", documentation=doc, labelnames=tier_labels
+            )
+            if TIER_METRIC[name].kind == "counter"
+            # Moved by deltas (inc), which vLLM's "mostrecent" gauges refuse; "livesum"
+            # adds up what each live process added, as a counter's exposition does.
+            else self._gauge_cls(
                 name=f"{TIER_PROM_PREFIX}{name}",
                 documentation=doc,
-                labelnames=[*labelnames, "tier"],
+                labelnames=tier_labels,
+                multiprocess_mode="livesum",
             )
             for name, doc in TIER_STATS.items()
+        }
+        self._tier_metrics |= {
+            h.name: self._histogram_cls(
+                name=f"{TIER_PROM_PREFIX}{h.name}",
+                documentation=h.help,
+                labelnames=tier_labels,
+                buckets=list(LATENCY_BUCKETS),
+            )
+            for h in TIER_HISTOGRAMS
         }
         self._children: dict[tuple[int, str, str | None], Any] = {}
         tiers = _configured_tiers(vllm_config)
@@ -203,11 +247,11 @@ class TieredOffloadPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]  #
             for name in ENGINE_COUNTERS:
                 self._child(engine_idx, name, None)
             for tier in tiers:
-                for name in TIER_STATS:
+                for name in self._tier_metrics:
                     self._child(engine_idx, name, tier)
 
     def _child(self, engine_idx: int, name: str, tier: str | None) -> Any:
-        """The labelled counter of one engine (and tier), created on first use."""
+        """The labelled metric of one engine (and tier), created on first use."""
         key = (engine_idx, name, tier)
         child = self._children.get(key)
         if child is None:
@@ -215,20 +259,33 @@ class TieredOffloadPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]  #
             if tier is None:
                 child = self._engine_counters[name].labels(*values)
             else:
-                child = self._tier_counters[name].labels(*values, tier)
+                child = self._tier_metrics[name].labels(*values, tier)
             self._children[key] = child
         return child
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        # (tier, histogram, bucket) -> [samples, seconds], observed once both are in.
+        buckets: dict[tuple[str, str, int], list[float]] = {}
         for key, value in transfer_stats_data.items():
-            if not isinstance(value, int | float) or value <= 0:
-                continue  # a counter only goes up
+            if not isinstance(value, int | float) or value == 0:
+                continue
             if key.startswith("tier."):
                 tier, _, name = key.removeprefix("tier.").rpartition(".")
-                if tier and name in TIER_STATS:
-                    self._child(engine_idx, name, tier).inc(value)
-            elif key in ENGINE_COUNTERS:
+                if not tier:
+                    continue
+                if name in TIER_STATS and (value > 0 or TIER_METRIC[name].kind == "gauge"):
+                    self._child(engine_idx, name, tier).inc(value)  # a counter only goes up
+                elif match := _BUCKET_KEY.fullmatch(name):
+                    pair = buckets.setdefault((tier, match[1], int(match[3])), [0, 0.0])
+                    pair[match[2] == "s"] += value
+            elif key in ENGINE_COUNTERS and value > 0:
                 self._child(engine_idx, key, None).inc(value)
+        for (tier, name, i), (count, seconds) in buckets.items():
+            if count > 0 and i <= len(LATENCY_BUCKETS):
+                child = self._child(engine_idx, name, tier)
+                value = bucket_value(i, int(count), seconds)
+                for _ in range(int(count)):
+                    child.observe(value)
 
 
 def _configured_tiers(vllm_config: VllmConfig) -> list[str]:
