@@ -576,6 +576,19 @@ class KVOffloadConfig(BaseModel):
     (docs/vllm.md, "Where a hit loads"); before it has, 8 MiB or more loads in the
     background. Set, a fixed rule: a hit of at least this many bytes (on one rank)
     loads in the background, smaller ones in the step."""
+    admin_port: int | None = Field(default=None, ge=1, le=65535)
+    """Unset (the default): no operator endpoint. Set: the vLLM connector serves
+    ``/health``, ``/ready``, ``/tiers`` and ``/query`` over HTTP from each rank's worker
+    on ``admin_port + rank`` (docs/operator.md). It has no authentication: it binds
+    ``admin_host``, the loopback interface unless told otherwise."""
+    admin_host: str = Field(default="127.0.0.1", min_length=1)
+    """The address the operator endpoint binds. The loopback default keeps it on this
+    machine; ``0.0.0.0`` exposes it to every network the host is on, so put it behind
+    a proxy or a firewall that only lets the probes and the router in."""
+    admin_ready_timeout_ms: float = Field(default=3_000.0, gt=0)
+    """Longest ``/ready`` waits for a canary block to be stored, loaded and verified on
+    every tier; a tier not done by then is reported as timed out (503). A frozen tier
+    thus costs a probe this long, never a hung probe or an engine step."""
     stress: StressConfig = StressConfig()
     """Defaults for ``kvoffload stress``."""
 

@@ -45,7 +45,7 @@ BAD_CONFIGS = [
             "unknown key",
             "allowed keys: version, tiers, eviction, prefetch_max_inflight, "
             "load_timeout_ms, store_timeout_ms, books_timeout_ms, producer_wait_ms, "
-            "async_load_min_bytes, "
+            "async_load_min_bytes, admin_port, admin_host, admin_ready_timeout_ms, "
             "stress",
         ),
         id="unknown-top-level-key",

@@ -101,6 +101,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from .admin import admin_spec
 from .affinity import _rank_affinity as _rank_affinity
 from .affinity import rank_cpus
 from .config import (
@@ -297,6 +298,7 @@ class TieredOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
                 # blocks is the prefill engine's work, and a hit cut short would look
                 # like one whose blocks the producer is still storing.
                 load_or_recompute=self.options["load_or_recompute"] and self.kv_role != CONSUMER,
+                admin=admin_spec(self.config, vllm_config, self.engine_id),
             )
 
     def _scheduler_side(self) -> TieredOffloadScheduler:
@@ -446,7 +448,10 @@ class TieredOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
     def shutdown(self) -> None:
         """Close the worker-side state registered in this process under this
         connector's engine id and rank. vLLM calls this on both roles; when they share
-        a process, whichever comes first closes it."""
+        a process, whichever comes first closes it (the worker side's operator
+        endpoint stops first)."""
+        if self._worker is not None:
+            self._worker.close_admin()
         _close(self._slot)
 
     def unregister_kv_caches(self) -> None:

@@ -31,6 +31,7 @@ from kvoffload.datapath import LayerProgress, LoadGate, StoreGate
 from kvoffload.layout import KVLayout
 from kvoffload.offloader import Offloader
 
+from .admin import AdminServer, AdminSpec
 from .affinity import _rank_affinity
 from .books import _BooksServer
 from .config import hybrid_layout
@@ -80,8 +81,12 @@ class TieredOffloadWorker:
         groups: list[Group] | None = None,
         replicated: bool = False,
         load_or_recompute: bool = True,
+        admin: AdminSpec | None = None,
     ) -> None:
         self.config = config
+        self.admin = admin
+        """The operator endpoint's settings (``None``: off); served once the tiers are."""
+        self._admin: AdminServer | None = None
         self.load_or_recompute = load_or_recompute
         """Measure prefill and tier reads, and load only what beats recomputing."""
         self.groups = groups or [Group(0, "full", None, b"", ())]
@@ -189,6 +194,8 @@ class TieredOffloadWorker:
         shared.server = _BooksServer(shared, self.engine_id, self.rank)
         with _REGISTRY_LOCK:
             _REGISTRY[self._slot] = shared
+        if self.admin is not None:
+            self._admin = AdminServer(shared, self.admin, self.rank)
         logger.info(
             "kvoffload: %d tier(s) (%s) for %d GPU blocks of %d bytes, %d KV cache group(s)",
             len(offloader.tiers),
@@ -617,6 +624,12 @@ class TieredOffloadWorker:
         if shared is not None:
             shared.bump("load_errors", len(errors))
         return errors
+
+    def close_admin(self) -> None:
+        """Stop the operator endpoint (before the tiers close; idempotent)."""
+        admin, self._admin = self._admin, None
+        if admin is not None:
+            admin.close()
 
     def unregister_kv_caches(self) -> None:
         """vLLM 0.33's sleep mode, right before the KV cache's memory is released

@@ -1,0 +1,185 @@
+"""What the operator endpoint reads of the tiers: usage per tier, and prefix matches.
+
+:mod:`.admin` serves ``/tiers`` from :func:`tiers_report` and ``/query`` from
+:func:`match`; :mod:`.canary` takes its slot through :class:`BooksView`. All of it
+reads the worker's Offloader as it is now, from the endpoint's threads, and changes
+nothing a request sees: no claim, no pin, no recency, no counter.
+
+**The books' lock.** A tier's manager is only ever called under the Offloader's books'
+lock (lane threads and the scheduler's questions change it under that lock). The
+Offloader has no public call yet that answers "which tier holds which of these keys"
+or "how many blocks does each tier hold", or that reserves one slot for a probe, so
+:class:`BooksView` takes that lock itself (the Offloader's ``_books.lock``) for the
+few manager calls the endpoint makes, each a short bookkeeping transaction, never
+across I/O. It is the one place that reaches inside the Offloader; an
+``Offloader.held_by_tier`` / ``probe_slot`` would replace it.
+
+**Shared servers** keep their own books: what a ``redis`` tier holds is asked of the
+server (one batched ``EXISTS``, bounded by its ``socket_timeout_ms``), as the
+engine's own lookup asks it, outside the lock and without touching the books'
+remembered answer (so a lookup running meanwhile is not changed). While its breaker
+is open the engine does not ask it, and neither does the endpoint: it counts as
+holding nothing. How many blocks the server holds is the server's to say (its
+``INFO``/``DBSIZE``): ``/tiers`` reports ``null`` there.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any, Final
+
+from kvoffload.keys import BlockKey
+from kvoffload.lru_manager import LRUOffloadingManager
+from kvoffload.offloader import Offloader
+from kvoffload.tier import Tier
+
+logger = logging.getLogger(__name__)
+
+ERROR_COUNTERS: Final = ("store_errors", "corrupt_blocks", "lost_blocks", "server_errors")
+"""The tier counters (:data:`kvoffload.metrics.TIER_METRICS`) that count failures,
+summed in a tier's ``errors``: writes that raised, blocks found damaged, blocks a
+server lost, batches a server failed."""
+
+
+def medium(tier: Tier) -> str:
+    """A tier's medium in the names a router's index uses (Dynamo's indexer, the
+    Mooncake RFC: ``cpu``, ``disk``): the KV events' ``CPU`` (memory) and ``STORAGE``
+    (a persistent backend: a disk, or a shared server; :mod:`.events`), lower-cased
+    as Dynamo reports them."""
+    return "disk" if tier.backend.persistent else "cpu"
+
+
+class BooksView:
+    """The few reads of the Offloader's books the endpoint needs, under their lock (see
+    the module docstring)."""
+
+    def __init__(self, offloader: Offloader) -> None:
+        self.offloader = offloader
+        self._lock = offloader._books.lock
+        self._books = offloader._books
+
+    def held(self, keys: Sequence[BlockKey]) -> list[list[bool]]:
+        """Per tier, per key: whether the tier holds the block ready to load. Local
+        tiers from their books (one transaction for all of them); a shared server's
+        tier from the server (``[False] * n`` while its breaker is open or the server
+        cannot answer)."""
+        tiers = self.offloader.tiers
+        with self._lock:
+            local = [
+                None if t.backend.server_booked else [t.manager.ready(k) for k in keys]
+                for t in tiers
+            ]
+            bypassed = [self._books.bypassed(i) for i in range(len(tiers))]
+        out: list[list[bool]] = []
+        for i, (tier, answer) in enumerate(zip(tiers, local, strict=True)):
+            if answer is None:
+                answer = [False] * len(keys) if bypassed[i] else self._ask_server(tier, keys)
+            out.append(answer)
+        return out
+
+    @staticmethod
+    def _ask_server(tier: Tier, keys: Sequence[BlockKey]) -> list[bool]:
+        try:
+            return [bool(x) for x in tier.backend.exists(keys)] if keys else []
+        except Exception as exc:  # a dead server holds nothing for this answer
+            logger.debug("kvoffload: /query: tier %s did not answer: %s", tier.name, exc)
+            return [False] * len(keys)
+
+    def usage(self) -> list[dict[str, Any]]:
+        """Per tier: ``blocks`` held (``None`` for a shared server's tier) and whether
+        its breaker is open now, read in one transaction."""
+        with self._lock:
+            return [
+                {
+                    "blocks": len(t.manager)
+                    if isinstance(t.manager, LRUOffloadingManager)
+                    else None,
+                    "breaker_open": self._books.bypassed(i),
+                }
+                for i, t in enumerate(self.offloader.tiers)
+            ]
+
+    def take_slot(self, t: int, key: BlockKey) -> list[int] | None:
+        """Room in tier ``t`` for ``key``, as a store makes it (a free slot, else the
+        least recent unpinned block evicted); ``None`` if there is none. The key is
+        then being written: never found, loaded or evicted until given back."""
+        with self._lock:
+            out = self.offloader.tiers[t].manager.prepare_store([key])
+        if out is None or not out.keys_to_store:
+            return None
+        return list(out.slots)
+
+    def give_back_slot(self, t: int, key: BlockKey, slots: list[int]) -> None:
+        """Forget ``key`` in tier ``t`` as a failed store would (no "stored" record),
+        and discard what its slot holds on a local medium, so a restart never
+        recovers it."""
+        tier = self.offloader.tiers[t]
+        with self._lock:
+            tier.manager.complete_store([key], success=False)
+            if not tier.backend.server_booked:
+                tier.backend.discard(slots)
+
+
+def _blocks(tier: Tier) -> int | None:
+    """Blocks a tier's books hold (call under the books' lock); ``None`` for books kept
+    by a server."""
+    return len(tier.manager) if isinstance(tier.manager, LRUOffloadingManager) else None
+
+
+def tiers_report(offloader: Offloader, view: BooksView) -> list[dict[str, Any]]:
+    """``/tiers``: per tier, what it holds, how it serves, and what went wrong."""
+    counters, _ = offloader.counters()
+    usage = view.usage()
+    bpb = offloader.bpb
+    out: list[dict[str, Any]] = []
+    for tier, held in zip(offloader.tiers, usage, strict=True):
+        values = counters[tier.name]
+        blocks = held["blocks"]
+        footprint = tier.backend.footprint() if blocks is not None else None
+        if blocks is not None and footprint is None:
+            footprint = (blocks * bpb, blocks * bpb)  # stored as given: raw bytes
+        hits, misses = values["hits"], values["misses"]
+        out.append(
+            {
+                "name": tier.name,
+                "backend": tier.backend.config.backend,
+                "medium": medium(tier),
+                "capacity_blocks": tier.manager.capacity,
+                "blocks": blocks,
+                "logical_bytes": None if footprint is None else footprint[0],
+                "stored_bytes": None if footprint is None else footprint[1],
+                "hit_rate": hits / (hits + misses) if hits + misses else None,
+                "breaker": "open" if held["breaker_open"] else "closed",
+                "errors": sum(int(values[name]) for name in ERROR_COUNTERS),
+                "counters": values,
+            }
+        )
+    return out
+
+
+def match(
+    offloader: Offloader, view: BooksView, keys: Sequence[BlockKey]
+) -> tuple[list[int], int, dict[str, int]]:
+    """For the blocks ``keys`` (a prompt's, in order): per tier, the length of the
+    prefix it holds; the longest prefix whose every block some tier holds (what a
+    lookup finds: each block from the fastest tier holding it); and per medium, the
+    longest prefix its tiers hold together (a router's index per medium)."""
+    held = view.held(keys)
+    per_tier = [_prefix(h) for h in held]
+    anywhere = _prefix([any(col) for col in zip(*held, strict=True)]) if held else 0
+    media: dict[str, int] = {}
+    for name in dict.fromkeys(medium(t) for t in offloader.tiers):
+        rows = [h for t, h in zip(offloader.tiers, held, strict=True) if medium(t) == name]
+        media[name] = _prefix([any(col) for col in zip(*rows, strict=True)])
+    return per_tier, anywhere, media
+
+
+def _prefix(flags: Sequence[bool]) -> int:
+    """How many leading ``flags`` are true."""
+    n = 0
+    for flag in flags:
+        if not flag:
+            break
+        n += 1
+    return n
