@@ -18,7 +18,9 @@ the server. Usage::
 
 With ``--admit-after-hits N`` it measures admission instead: the two replicas with the
 shared tier writing every block, then admitting only blocks loaded N times (bytes the
-server took, its hits, the hit rate).
+server took, its hits, the hit rate); ``--replicas`` and ``--trace`` (a Mooncake JSONL
+trace instead of the Zipf workload) and ``--cpu-blocks`` (each replica's own tier) apply
+to it.
 
 Needs ``redis-server`` on the PATH (the Debian package ``redis-server``).
 """
@@ -50,12 +52,21 @@ CPU_BLOCKS = 128
 """Blocks of each replica's cpu tier (16 KiB each): a tenth of the prefix set."""
 
 
-def config(server: RedisServer, seed: int, admit_after_hits: int = 0) -> KVOffloadConfig:
+def config(
+    server: RedisServer,
+    seed: int,
+    admit_after_hits: int = 0,
+    trace: Path | None = None,
+    cpu_blocks: int = CPU_BLOCKS,
+) -> KVOffloadConfig:
     shared: dict[str, Any] = {"admit_after_hits": admit_after_hits} if admit_after_hits else {}
+    stress: dict[str, Any] = {"preset": "tiny", "workload": "zipf", "concurrency": 4}
+    if trace is not None:
+        stress.update(workload="trace", trace=str(trace))
     return load_config(
         {
             "tiers": [
-                {"name": "cpu", "backend": "cpu", "capacity": CPU_BLOCKS * 16384},
+                {"name": "cpu", "backend": "cpu", "capacity": cpu_blocks * 16384},
                 {
                     "name": "redis",
                     "backend": "redis",
@@ -67,7 +78,7 @@ def config(server: RedisServer, seed: int, admit_after_hits: int = 0) -> KVOfflo
                     **shared,
                 },
             ],
-            "stress": {"preset": "tiny", "workload": "zipf", "concurrency": 4, "seed": seed},
+            "stress": {**stress, "seed": seed},
         },
         env={},
     )
@@ -148,15 +159,16 @@ def bench_seed(server: RedisServer, seed: int, ops: int) -> dict[str, Any]:
     }
 
 
-def bench_admission(server: RedisServer, seed: int, ops: int, admit: int) -> dict[str, Any]:
-    """Two replicas with the shared tier writing every block, then admitting only
-    blocks loaded ``admit`` times (``admit_after_hits``): bytes the server took and
-    the hits each way, on the same stream."""
+def bench_admission(server: RedisServer, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    """``--replicas`` replicas with the shared tier writing every block, then admitting
+    only blocks loaded ``--admit-after-hits`` times: bytes the server took and the hits
+    each way, on the same stream."""
     rows = {}
-    for label, n in (("every", 0), ("admit", admit)):
+    for label, n in (("every", 0), ("admit", args.admit_after_hits)):
         server.client().flushall()
+        cfg = config(server, seed, n, args.trace, args.cpu_blocks)
         pair = run_replicas(
-            config(server, seed, n), replicas=2, ops=ops, duration_s=3600, seed=seed
+            cfg, replicas=args.replicas, ops=args.ops, duration_s=3600, seed=seed
         ).reports
         rows[label] = {
             "written": sum(r.tiers[1].bytes_written for r in pair),
@@ -165,7 +177,7 @@ def bench_admission(server: RedisServer, seed: int, ops: int, admit: int) -> dic
             "replicas": [summary(r) for r in pair],
         }
     server.client().flushall()
-    return {"seed": seed, "admit_after_hits": admit, **rows}
+    return {"seed": seed, "admit_after_hits": args.admit_after_hits, **rows}
 
 
 def admission_main(args: argparse.Namespace) -> None:
@@ -174,7 +186,7 @@ def admission_main(args: argparse.Namespace) -> None:
         server = RedisServer(Path(tmp), maxmemory="1gb").start()
         try:
             for seed in (int(s) for s in args.seeds.split(",")):
-                rows.append(bench_admission(server, seed, args.ops, args.admit_after_hits))
+                rows.append(bench_admission(server, seed, args))
         finally:
             server.kill()
     print(
@@ -190,7 +202,8 @@ def admission_main(args: argparse.Namespace) -> None:
         print(f"{r['seed']:>4} {written:>23} {cut:>5.2f}x {hits:>23} {rates:>21}")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"ops_per_replica": args.ops, "seeds": rows}, indent=2))
+        doc = {"ops_per_replica": args.ops, "replicas": args.replicas, "seeds": rows}
+        args.json.write_text(json.dumps(doc, indent=2))
 
 
 def main() -> None:
@@ -204,6 +217,11 @@ def main() -> None:
         default=0,
         help="instead: two replicas with the shared tier writing every block, then with "
         "this admit_after_hits (bytes written and hits, each way)",
+    )
+    ap.add_argument("--replicas", type=int, default=2, help="with --admit-after-hits")
+    ap.add_argument("--cpu-blocks", type=int, default=CPU_BLOCKS, help="with --admit-after-hits")
+    ap.add_argument(
+        "--trace", type=Path, default=None, help="with --admit-after-hits: a Mooncake trace"
     )
     args = ap.parse_args()
     if args.admit_after_hits:
