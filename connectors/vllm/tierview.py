@@ -8,7 +8,8 @@ nothing a request sees: no claim, no pin, no recency, no counter.
 **The books' lock.** A tier's manager is only ever called under the Offloader's books'
 lock (lane threads and the scheduler's questions change it under that lock). The
 Offloader has no public call yet that answers "which tier holds which of these keys"
-or "how many blocks does each tier hold", or that reserves one slot for a probe, so
+or "how many blocks does each tier hold", or whether a tier's breaker bypasses it,
+or that reserves one slot for a probe, so
 :class:`BooksView` takes that lock itself (the Offloader's ``_books.lock``) for the
 few manager calls the endpoint makes, each a short bookkeeping transaction, never
 across I/O. It is the one place that reaches inside the Offloader; an
@@ -86,19 +87,11 @@ class BooksView:
             logger.debug("kvoffload: /query: tier %s did not answer: %s", tier.name, exc)
             return [False] * len(keys)
 
-    def usage(self) -> list[dict[str, Any]]:
-        """Per tier: ``blocks`` held (``None`` for a shared server's tier) and whether
-        its breaker is open now, read in one transaction."""
+    def blocks(self) -> list[int | None]:
+        """Per tier: the blocks its books hold (``None`` for a shared server's tier),
+        read in one transaction."""
         with self._lock:
-            return [
-                {
-                    "blocks": len(t.manager)
-                    if isinstance(t.manager, LRUOffloadingManager)
-                    else None,
-                    "breaker_open": self._books.bypassed(i),
-                }
-                for i, t in enumerate(self.offloader.tiers)
-            ]
+            return [_blocks(t) for t in self.offloader.tiers]
 
     def take_slot(self, t: int, key: BlockKey) -> list[int] | None:
         """Room in tier ``t`` for ``key``, as a store makes it (a free slot, else the
@@ -130,12 +123,10 @@ def _blocks(tier: Tier) -> int | None:
 def tiers_report(offloader: Offloader, view: BooksView) -> list[dict[str, Any]]:
     """``/tiers``: per tier, what it holds, how it serves, and what went wrong."""
     counters, _ = offloader.counters()
-    usage = view.usage()
     bpb = offloader.bpb
     out: list[dict[str, Any]] = []
-    for tier, held in zip(offloader.tiers, usage, strict=True):
+    for tier, blocks in zip(offloader.tiers, view.blocks(), strict=True):
         values = counters[tier.name]
-        blocks = held["blocks"]
         footprint = tier.backend.footprint() if blocks is not None else None
         if blocks is not None and footprint is None:
             footprint = (blocks * bpb, blocks * bpb)  # stored as given: raw bytes
@@ -150,7 +141,8 @@ def tiers_report(offloader: Offloader, view: BooksView) -> list[dict[str, Any]]:
                 "logical_bytes": None if footprint is None else footprint[0],
                 "stored_bytes": None if footprint is None else footprint[1],
                 "hit_rate": hits / (hits + misses) if hits + misses else None,
-                "breaker": "open" if held["breaker_open"] else "closed",
+                # The breaker_open gauge: from a trip until a read or write succeeds.
+                "breaker": "open" if values.get("breaker_open") else "closed",
                 "errors": sum(int(values[name]) for name in ERROR_COUNTERS),
                 "counters": values,
             }
