@@ -171,7 +171,7 @@ def test_ready_turns_503_naming_a_killed_or_frozen_redis_tier_and_back(served: S
     assert shared["error"].startswith("error: "), shared
     assert [t["ok"] for t in body["tiers"][:2]] == [True, True]
     served.redis.start()  # the same port, as a restarted server
-    wait_until(lambda: served.get("/ready")[0] == 200, "ready after the restart")
+    wait_until(lambda: served.get("/ready")[0] == 200, "ready after the restart", poll=0.1)
 
     assert served.redis.proc is not None
     os.kill(served.redis.proc.pid, signal.SIGSTOP)
@@ -204,7 +204,7 @@ def test_ready_turns_503_naming_a_killed_or_frozen_redis_tier_and_back(served: S
     assert loaded.success
 
     os.kill(served.redis.proc.pid, signal.SIGCONT)
-    wait_until(lambda: served.get("/ready")[0] == 200, "ready after SIGCONT")
+    wait_until(lambda: served.get("/ready")[0] == 200, "ready after SIGCONT", poll=0.1)
 
 
 def test_the_canary_takes_one_slot_at_most_and_leaves_nothing(
