@@ -13,7 +13,7 @@ EDITABLE := --config-settings editable_mode=strict
 # its stale entry points would shadow the installed metadata, so it goes after each install.
 CLEAN_EGG := rm -rf kvoffload.egg-info
 
-.PHONY: demo test lint typecheck pytest install dev clean redis-server
+.PHONY: demo test lint typecheck pytest install dev clean redis-server prometheus
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -67,20 +67,32 @@ typecheck: dev
 	@# Run from outside the checkout so mypy sees the installed tree, not ./kvoffload.
 	cd build && ../$(VENV)/bin/mypy --config-file ../pyproject.toml -p kvoffload
 
+# $(call apt-command,PACKAGE,COMMAND): Debian's PACKAGE installed when COMMAND is missing
+# (the package lists refreshed only if the first try fails); an error if it still is.
+define apt-command
+	@command -v $(2) >/dev/null 2>&1 || { \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y -q $(1) >/dev/null 2>&1 || \
+	  { apt-get update -q >/dev/null && apt-get install -y -q $(1) >/dev/null; }; }
+	@command -v $(2) >/dev/null || { echo "$(2) missing: apt-get install $(1)" >&2; exit 1; }
+endef
+
 # The redis tier's tests run real servers: Debian's redis-server, installed when missing.
 redis-server:
-	@command -v redis-server >/dev/null 2>&1 || { \
-	  export DEBIAN_FRONTEND=noninteractive; \
-	  apt-get install -y -q redis-server >/dev/null 2>&1 || \
-	  { apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null; }; }
-	@command -v redis-server >/dev/null || { echo "redis-server missing: apt-get install redis-server" >&2; exit 1; }
+	$(call apt-command,redis-server,redis-server)
+
+# The dashboard's test (tests/e2e/test_dashboard.py) evaluates every panel in a real
+# Prometheus: Debian's prometheus (2.42 on Debian 12), installed when missing. Its
+# package starts no service here (no systemd); the test runs its own server.
+prometheus:
+	$(call apt-command,prometheus,prometheus)
 
 # Two workers, one per core of the CI machine: most tests wait on a child process, a
 # server or a disk as much as they compute. worksteal hands a worker left idle the
 # other's queued tests, so the slowest (engine runs of a minute or more) do not end up
 # queued behind each other at the end. Each worker has a $TMPDIR of its own
 # (tests/conftest.py).
-pytest: dev redis-server
+pytest: dev redis-server prometheus
 	$(VENV)/bin/pytest -n 2 --dist worksteal --durations=25
 
 test: lint typecheck pytest
