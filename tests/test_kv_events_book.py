@@ -101,7 +101,10 @@ CPU, DISK, REDIS = (
 
 
 class Records:
-    """An Offloader's ``take_events``: the records handed in, once."""
+    """An Offloader's ``take_events``: the records handed in, once (and no tiers to
+    keep journals for)."""
+
+    tiers: tuple[Any, ...] = ()
 
     def __init__(self) -> None:
         self.records: list[tuple[Any, OffloadingEvent]] = []
@@ -130,11 +133,11 @@ def test_each_tier_gets_its_medium_and_locality_and_full_payloads() -> None:
     assert unknown == 0
     where = [(type(e), e.medium, e.locality, e.ownership) for e in events]
     assert where == [
-        (BlockStored, "CPU", "LOCAL", "cpu"),
-        (BlockStored, "CPU", "LOCAL", "cpu"),
-        (BlockStored, "STORAGE", "LOCAL", "disk"),
-        (BlockStored, "STORAGE", "REMOTE", "redis"),
-        (BlockRemoved, "STORAGE", "REMOTE", "redis"),
+        (BlockStored, "CPU", "LOCAL", None),
+        (BlockStored, "CPU", "LOCAL", None),
+        (BlockStored, "STORAGE", "LOCAL", None),
+        (BlockStored, "STORAGE", "REMOTE", None),
+        (BlockRemoved, "STORAGE", "REMOTE", None),
     ]
     second = events[1]
     assert isinstance(second, BlockStored)

@@ -123,10 +123,10 @@ class Announced:
 
     def apply(self, events: list[KVCacheEvent]) -> None:
         for e in events:
-            tier = self.held.setdefault(e.ownership, set())
+            tier = self.held.setdefault(e.medium, set())
             for h in e.block_hashes:
                 if isinstance(e, BlockStored):
-                    assert h not in tier, f"block {h} announced stored twice in {e.ownership}"
+                    assert h not in tier, f"block {h} announced stored twice in {e.medium}"
                     tier.add(h)
                 else:
                     assert isinstance(e, BlockRemoved)
@@ -170,9 +170,9 @@ def test_blocks_announced_per_tier_are_what_both_ranks_tiers_hold(ranks: list[Ra
         for rank, positions in stores.items():
             ranks[rank].store(positions)
         seen.apply(tally.add(_step(ranks, aggregator)))
-        assert seen.held.get("cpu", set()) == _announceable(ranks)
-    assert seen.held["cpu"] == ranks[0].held() & ranks[1].held()
-    assert seen.held["cpu"] == {_hash(p) for p in range(2, 6)}
+        assert seen.held.get("CPU", set()) == _announceable(ranks)
+    assert seen.held["CPU"] == ranks[0].held() & ranks[1].held()
+    assert seen.held["CPU"] == {_hash(p) for p in range(2, 6)}
     assert tally.pending() == 0
 
 
@@ -191,8 +191,8 @@ def test_the_scheduler_side_publishes_what_both_ranks_hold(ranks: list[Rank]) ->
         combined = aggregator.aggregate([r.output() for r in ranks])
         sched.update_connector_output(combined.kv_connector_output)
         seen.apply(list(sched.take_events()))
-        assert seen.held.get("cpu", set()) == _announceable(ranks)
-    assert seen.held["cpu"] == ranks[0].held() & ranks[1].held()
+        assert seen.held.get("CPU", set()) == _announceable(ranks)
+    assert seen.held["CPU"] == ranks[0].held() & ranks[1].held()
 
 
 def _stored(position: int) -> BlockStored:

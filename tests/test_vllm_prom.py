@@ -248,7 +248,7 @@ def test_stores_and_evictions_become_vllm_kv_events(events_on: Engine) -> None:
     events, stats = eng.step(a, [0, 1, 2, 3], len(a.prompt_token_ids or []))
     assert [type(e) for e in events] == [BlockStored] * 3
     assert [e.block_hashes for e in events] == [[h] for h in hashes_a]
-    assert {(e.medium, e.locality, e.ownership) for e in events} == {("CPU", "LOCAL", "cpu")}
+    assert {(e.medium, e.locality, e.ownership) for e in events} == {("CPU", "LOCAL", None)}
     # Self-describing, as vLLM's own offloading publishes: the block's tokens, its
     # parent's hash, the block size, the group and its kind.
     tokens = prompt(0)
@@ -275,7 +275,7 @@ def test_stores_and_evictions_become_vllm_kv_events(events_on: Engine) -> None:
     evicted = [h for e in removed for h in e.block_hashes]
     assert len(evicted) == 2
     assert set(evicted) <= set(hashes_a)
-    assert all((e.medium, e.locality, e.ownership) == ("CPU", "LOCAL", "cpu") for e in removed)
+    assert all((e.medium, e.locality, e.ownership) == ("CPU", "LOCAL", None) for e in removed)
     # Nothing is reported twice.
     assert list(eng.scheduler.take_events()) == []
 
@@ -476,9 +476,11 @@ def test_a_request_that_ends_while_queued_leaves_nothing_behind(
 def test_disk_tier_events_and_a_promotion_describe_their_blocks(
     model_dir: str, tmp_path: Path
 ) -> None:
-    """A disk tier's stores are ``STORAGE`` / ``LOCAL``; on a new engine (the cpu tier
-    empty), a hit prefetched from the disk is stored into the cpu tier, and that event
-    too carries the blocks' tokens and parents (sent with the load)."""
+    """A disk tier's stores are ``STORAGE`` / ``LOCAL``; a new engine over the same disk
+    announces the blocks it recovered (their journal says what they are) at its first
+    step; there (the cpu tier empty), a hit prefetched from the disk is stored into
+    the cpu tier, and that event too carries the blocks' tokens and parents (sent with
+    the load)."""
     tiers = _disk_tiers(tmp_path)
     first = Engine(vllm_config(model_dir, tiers, events=True))
     try:
@@ -489,10 +491,10 @@ def test_disk_tier_events_and_a_promotion_describe_their_blocks(
         events += first.step(first.request("short", [1, 2, 3]), [5], 3)[0]  # stores none
     finally:
         first.close()
-    assert {(e.medium, e.locality) for e in events if e.ownership == "ssd"} == {
-        ("STORAGE", "LOCAL")
+    assert {(e.locality, e.ownership) for e in events if e.medium == "STORAGE"} == {
+        ("LOCAL", None)
     }
-    events = [e for e in events if e.ownership == "ssd"]
+    events = [e for e in events if e.medium == "STORAGE"]
     hashes = [maybe_convert_block_hash(h) for h in a.block_hashes]
     assert [e.block_hashes for e in events] == [[h] for h in hashes]
     assert [e.parent_block_hash for e in events] == [None, *hashes[:2]]
@@ -505,7 +507,11 @@ def test_disk_tier_events_and_a_promotion_describe_their_blocks(
     finally:
         eng.close()
     stored = [e for e in events if isinstance(e, BlockStored)]
-    assert {(e.medium, e.locality, e.ownership) for e in stored} == {("CPU", "LOCAL", "cpu")}
+    recovered = [e for e in stored if e.medium == "STORAGE"]
+    assert sorted(h for e in recovered for h in e.block_hashes) == sorted(hashes)
+    assert [e.token_ids for e in recovered] == [e.token_ids for e in events[:3]]
+    stored = [e for e in stored if e.medium == "CPU"]
+    assert {(e.locality, e.ownership) for e in stored} == {("LOCAL", None)}
     assert [e.block_hashes for e in stored] == [[h] for h in hashes]
     tokens = prompt(0)
     assert [e.token_ids for e in stored] == [tokens[i * BLOCK : (i + 1) * BLOCK] for i in range(3)]

@@ -34,6 +34,7 @@ from kvoffload.keys import BlockKey
 from kvoffload.offloader import Offloader
 from kvoffload.tier import Tier
 
+from .event_journal import Journals
 from .groups import Group
 
 if TYPE_CHECKING:
@@ -68,9 +69,14 @@ class EventBlocks:
     block_size: int
     lora_id: int | None = None
     lora_name: str | None = None
+    generation: int = 0
+    """The connector reset generation the blocks' keys are under: a router is told
+    only of the current generation's blocks (the only ones this engine looks up)."""
 
     @classmethod
-    def of(cls, request: Request, positions: Sequence[int], block_size: int) -> EventBlocks:
+    def of(
+        cls, request: Request, positions: Sequence[int], block_size: int, generation: int = 0
+    ) -> EventBlocks:
         """Blocks ``positions`` of ``request`` (each a full block of its tokens)."""
         hashes = request.block_hashes
         tokens = request.all_token_ids
@@ -82,6 +88,7 @@ class EventBlocks:
             block_size,
             None if lora is None else int(lora.adapter_id),
             None if lora is None else str(lora.name),
+            generation,
         )
 
     def part(self, start: int, stop: int) -> EventBlocks:
@@ -94,6 +101,7 @@ class EventBlocks:
             bs,
             self.lora_id,
             self.lora_name,
+            self.generation,
         )
 
 
@@ -107,8 +115,9 @@ class _Block:
     lora_id: int | None
     lora_name: str | None
     group: int
+    generation: int = 0
     tiers: int = 0
-    """The tiers told holding it (a bit per tier)."""
+    """The tiers whose records say they hold it (a bit per tier)."""
 
 
 def _medium(tier: Tier) -> str:
@@ -127,6 +136,10 @@ def _locality(tier: Tier) -> str:
 _SPEC_KINDS: Final = {"full": "full_attention", "sliding": "sliding_window", "mamba": "mamba"}
 
 
+Place = tuple[str, str]
+"""Where a router files a tier's blocks: (``medium``, ``locality``)."""
+
+
 class _EventBook:
     """Worker side: turns the tiers' own store / eviction records into vLLM KV events.
 
@@ -138,8 +151,16 @@ class _EventBook:
     them only when events are enabled (``Offloader(events=True)``), and they are
     drained here every step. Keys are namespaced digests that cannot be turned back
     into vLLM's hashes, so the scheduler side sends each store's and load's blocks
-    along (:class:`EventBlocks`: hashes, parent hashes, tokens, LoRA; only when events
-    are enabled) and they are remembered here per key.
+    along (:class:`EventBlocks`: hashes, parent hashes, tokens, LoRA, reset
+    generation; only when events are enabled) and they are remembered here per key.
+
+    Events are per *place*, (``medium``, ``locality``), as vLLM's own offloading
+    publishes them (``ownership`` ``None``: Dynamo's indexer drops an event whose
+    ``ownership`` it does not know): a block is announced stored in a place when the
+    first of its tiers there holds it, removed when the last one lets it go. Only the
+    current reset generation's blocks are announced; at a connector reset
+    (:meth:`reset`, or a store of a newer generation seen first) every block of an
+    older one still announced is announced removed, and nothing more is said of it.
 
     A key is kept as long as a tier is told holding it (the records say which), so its
     removal can always be told; a key no tier holds (its store still queued, or every
@@ -148,8 +169,8 @@ class _EventBook:
     ``cap`` being what the tiers hold together. Forgetting happens after each step's
     records are translated, not as keys arrive. Past ``2 * cap`` keys in all (at most
     2 * :data:`MAX_EVENT_HASHES`), the oldest held ones are forgotten too. A record for
-    a key whose block is unknown (a block recovered from disk at start and not loaded
-    since, or forgotten) emits nothing and is counted."""
+    a key whose block is unknown (a block recovered from disk whose journal entry is
+    missing, or forgotten) emits nothing and is counted."""
 
     def __init__(self, *, enabled: bool, cap: int, groups: Sequence[Group] = ()) -> None:
         self.enabled = enabled
@@ -158,14 +179,30 @@ class _EventBook:
         """Every key known, the most recently remembered or told last."""
         self.loose: OrderedDict[BlockKey, None] = OrderedDict()
         """The keys no tier is told holding, the most recent last."""
+        self.generation = 0
+        """The reset generation whose blocks are announced."""
+        self._resets = 0
+        """Connector resets seen by :meth:`reset` (from the books' thread)."""
+        self._newest = 0
+        """The newest generation a remembered block was under."""
         self._bits: dict[str, int] = {}
+        self._place_of: dict[str, Place] = {}
+        self._place_bits: dict[Place, int] = {}
+        self.journals: Journals | None = None
+        """The persistent tiers' journals (built at the first :meth:`take`)."""
         self._specs = {
             g.index: (g.spec_kind or _SPEC_KINDS.get(g.kind), g.spec_window) for g in groups
         }
         self._specs.setdefault(0, (_SPEC_KINDS["full"], None))
 
+    def reset(self) -> None:
+        """A connector reset (worker side of ``reset_cache``): the next :meth:`take`
+        announces the blocks of the generation before it removed."""
+        self._resets += 1
+
     def remember(self, keys: Sequence[BlockKey], blocks: EventBlocks, group: int = 0) -> None:
         bs = blocks.block_size
+        self._newest = max(self._newest, blocks.generation)
         for i, key in enumerate(keys):
             old = self.blocks.get(key)
             self.blocks[key] = _Block(
@@ -175,6 +212,7 @@ class _EventBook:
                 blocks.lora_id,
                 blocks.lora_name,
                 group,
+                blocks.generation,
                 0 if old is None else old.tiers,
             )
             self.blocks.move_to_end(key)
@@ -182,53 +220,101 @@ class _EventBook:
                 self.loose[key] = None
                 self.loose.move_to_end(key)
 
+    def _bit(self, tier: Tier) -> tuple[int, int]:
+        """The tier's bit, and the bits of its place's tiers."""
+        bit = self._bits.get(tier.name)
+        if bit is None:
+            bit = self._bits[tier.name] = 1 << len(self._bits)
+            place = self._place_of[tier.name] = (_medium(tier), _locality(tier))
+            self._place_bits[place] = self._place_bits.get(place, 0) | bit
+        return bit, self._place_bits[self._place_of[tier.name]]
+
     def take(self, off: Offloader) -> tuple[list[KVCacheEvent], int]:
         """The events since the previous call, and how many records had no known hash."""
         records = off.take_events()
         if not self.enabled:
             return [], 0
         events: list[KVCacheEvent] = []
+        if self.journals is None:
+            self.journals = Journals(off.tiers)
+            events.extend(self._recovered(off.tiers))
+        newest = max(self._resets, self._newest)
+        if newest > self.generation:
+            self.generation = newest
+            events.extend(self._retired())
         unknown = 0
         for tier, ev in records:
-            bit = self._bits.setdefault(tier.name, 1 << len(self._bits))
-            known = [(key, self.blocks.get(key)) for key in ev.keys]
-            found = [(key, b) for key, b in known if b is not None]
-            unknown += len(known) - len(found)
-            medium, locality = _medium(tier), _locality(tier)
+            bit, mask = self._bit(tier)
+            found = [(key, b) for key in ev.keys if (b := self.blocks.get(key)) is not None]
+            unknown += len(ev.keys) - len(found)
+            place = self._place_of[tier.name]
             if ev.removed:
                 by_group: dict[int, list[Any]] = {}
                 for key, b in found:
-                    by_group.setdefault(b.group, []).append(_external_hash(b.block_hash))
+                    held = b.tiers & mask
                     b.tiers &= ~bit
                     if not b.tiers:
                         self.loose[key] = None
-                events.extend(
-                    BlockRemoved(
-                        block_hashes=hashes,
-                        medium=medium,
-                        group_idx=group,
-                        locality=locality,
-                        ownership=tier.name,
-                    )
-                    for group, hashes in by_group.items()
-                )
+                    if held and not b.tiers & mask and b.generation == self.generation:
+                        by_group.setdefault(b.group, []).append(_external_hash(b.block_hash))
+                events.extend(_removed(place, group, hs) for group, hs in by_group.items())
                 continue
             for key, b in found:
+                announce = not b.tiers & mask and b.generation == self.generation
                 b.tiers |= bit
                 self.loose.pop(key, None)
                 self.blocks.move_to_end(key)
-            # vLLM's own OffloadingConnector's self-describing events: one per
-            # offloaded block (its chunk is one block here), with its tokens.
-            events.extend(self._stored(b, medium, locality, tier.name) for _, b in found)
+                # vLLM's own OffloadingConnector's self-describing events: one per
+                # offloaded block (its chunk is one block here), with its tokens.
+                if announce:
+                    events.append(self._stored(b, place))
+            self.journals.wrote(tier, found)
         while len(self.loose) > self.cap:
             key, _ = self.loose.popitem(last=False)
             del self.blocks[key]
         while len(self.blocks) > 2 * self.cap:
             key, _ = self.blocks.popitem(last=False)
             self.loose.pop(key, None)
+        self.journals.compact(self.blocks)
         return events, unknown
 
-    def _stored(self, b: _Block, medium: str, locality: str, tier: str) -> BlockStored:
+    def _retired(self) -> list[KVCacheEvent]:
+        """Every announced block of an older generation than :attr:`generation`,
+        announced removed from each place it is in (once, at the reset)."""
+        gone: dict[tuple[Place, int], list[Any]] = {}
+        for b in self.blocks.values():
+            if not b.tiers or b.generation >= self.generation:
+                continue
+            for place, mask in self._place_bits.items():
+                if b.tiers & mask:
+                    gone.setdefault((place, b.group), []).append(_external_hash(b.block_hash))
+        return [_removed(place, group, hashes) for (place, group), hashes in gone.items()]
+
+    def _recovered(self, tiers: Sequence[Tier]) -> list[KVCacheEvent]:
+        """The blocks persistent tiers hold from before this process whose journal
+        entries say what they are, remembered and announced stored. A restarted engine
+        is at generation 0 again: a block of a later one is kept silent (generation
+        -1), as a retired one."""
+        assert self.journals is not None
+        events: list[KVCacheEvent] = []
+        newest = self._newest
+        for tier, (key, h, parent, tokens, lora_id, lora_name, group, gen) in (
+            self.journals.recovered(tiers)
+        ):
+            gen = gen if gen == self.generation else -1
+            blocks = EventBlocks([h], [parent], tokens, len(tokens), lora_id, lora_name, gen)
+            self.remember([key], blocks, group)
+            bit, mask = self._bit(tier)
+            b = self.blocks[key]
+            announce = not b.tiers & mask and b.generation == self.generation
+            b.tiers |= bit
+            self.loose.pop(key, None)
+            if announce:
+                events.append(self._stored(b, self._place_of[tier.name]))
+        self._newest = newest
+        return events
+
+    def _stored(self, b: _Block, place: Place) -> BlockStored:
         kind, window = self._specs.get(b.group, (None, None))
         return BlockStored(
             block_hashes=[_external_hash(b.block_hash)],
@@ -236,14 +322,17 @@ class _EventBook:
             token_ids=b.tokens.tolist(),
             block_size=len(b.tokens),
             lora_id=b.lora_id,
-            medium=medium,
+            medium=place[0],
             lora_name=b.lora_name,
             group_idx=b.group,
             kv_cache_spec_kind=kind,
             kv_cache_spec_sliding_window=window,
-            locality=locality,
-            ownership=tier,
+            locality=place[1],
         )
+
+
+def _removed(place: Place, group: int, hashes: list[Any]) -> BlockRemoved:
+    return BlockRemoved(block_hashes=hashes, medium=place[0], group_idx=group, locality=place[1])
 
 
 def _external_hash(block_hash: BlockHash) -> Any:

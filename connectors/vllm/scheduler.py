@@ -274,7 +274,9 @@ class TieredOffloadScheduler:
         with their store or load; ``None`` when events are off."""
         if not self._events_enabled:
             return None
-        return EventBlocks.of(request, positions, self.block_size)
+        state = self._reqs.get(request.request_id)
+        generation = self.generation if state is None else state.generation
+        return EventBlocks.of(request, positions, self.block_size, generation)
 
     def on_new_request(self, request: Request) -> None:
         """vLLM queued ``request``: start prefetching its prefix from the lower tiers

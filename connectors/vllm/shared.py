@@ -245,7 +245,9 @@ class _Shared:
             return self.resident.pop(req_id, 0)
 
     def reset(self) -> int:
-        """Drop every unpinned block of the first tier; how many."""
+        """A connector reset: drop every unpinned block of the first tier (how many),
+        and tell the KV-event book (the old generation's blocks are announced removed)."""
+        self.events.reset()
         return self.offloader.clear_first_tier()
 
     def _settled(self, req_id: str) -> None:
