@@ -491,9 +491,7 @@ def test_disk_tier_events_and_a_promotion_describe_their_blocks(
         events += first.step(first.request("short", [1, 2, 3]), [5], 3)[0]  # stores none
     finally:
         first.close()
-    assert {(e.locality, e.ownership) for e in events if e.medium == "STORAGE"} == {
-        ("LOCAL", None)
-    }
+    assert {(e.locality, e.ownership) for e in events if e.medium == "STORAGE"} == {("LOCAL", None)}
     events = [e for e in events if e.medium == "STORAGE"]
     hashes = [maybe_convert_block_hash(h) for h in a.block_hashes]
     assert [e.block_hashes for e in events] == [[h] for h in hashes]

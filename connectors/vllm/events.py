@@ -298,9 +298,8 @@ class _EventBook:
         assert self.journals is not None
         events: list[KVCacheEvent] = []
         newest = self._newest
-        for tier, (key, h, parent, tokens, lora_id, lora_name, group, gen) in (
-            self.journals.recovered(tiers)
-        ):
+        for tier, record in self.journals.recovered(tiers):
+            key, h, parent, tokens, lora_id, lora_name, group, gen = record
             gen = gen if gen == self.generation else -1
             blocks = EventBlocks([h], [parent], tokens, len(tokens), lora_id, lora_name, gen)
             self.remember([key], blocks, group)
