@@ -72,3 +72,21 @@ def namespaced(key: bytes, namespace: bytes) -> BlockKey:
     """Key ``key`` under ``namespace`` (layout fingerprint, TP rank), so tiers shared by
     several models or ranks never hand one the other's blocks."""
     return chain_key(namespace, key)
+
+
+GENERATION_SPACE: Final = b"kvoffload-reset-generation"
+"""The namespace of a connector reset's generation in the keys (:func:`generation_keys`)."""
+
+
+def generation_keys(keys: list[BlockKey], generation: int) -> list[BlockKey]:
+    """``keys`` as the engine's ``generation``-th connector reset sees them: unchanged
+    before the first reset (the keys of every tier written before resets existed, and
+    of an engine never reset), else under a namespace of their own. A reset bumps the
+    generation, so no block stored before it is found again by this engine, on any
+    tier; engines (replicas, a P/D pair) share blocks while they have been reset as
+    many times (docs/vllm.md, "Weight updates"). The scheduler side keys its lookups
+    and stores with it; the operator endpoint's ``/query`` looks where they do."""
+    if generation == 0:
+        return keys
+    space = GENERATION_SPACE + struct.pack("<Q", generation)
+    return [namespaced(k, space) for k in keys]

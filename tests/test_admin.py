@@ -30,7 +30,7 @@ from support.waiting import returns, wait_until
 
 from kvoffload.blockpool import BlockPool
 from kvoffload.config import load_config
-from kvoffload.keys import BlockKey, key_from_hash
+from kvoffload.keys import BlockKey, generation_keys, key_from_hash
 from kvoffload.lookup import VllmHashing
 from kvoffload.metrics import BACKEND_METRICS
 from kvoffload.offloader import Offloader
@@ -337,6 +337,26 @@ def test_query_matches_each_tier_exactly_and_claims_nothing(served: Served) -> N
     assert {t: (v["hits"], v["misses"]) for t, v in after.items()} == {
         t: (v["hits"], v["misses"]) for t, v in before.items()
     }
+
+
+def test_query_after_a_connector_reset_looks_where_the_engine_looks(served: Served) -> None:
+    """A connector reset moves the engine's lookups to a new key generation: the
+    prompt's blocks stored before it answer 0 on every tier (the lower tiers still
+    hold them, but no lookup would find them), and the same prompt stored under the
+    new generation answers its 48 tokens again."""
+    keys = [key_from_hash(h) for h in HASHING.block_hashes(PROMPT)]
+    served.store(served.shared.ns(keys[:3]))
+    assert served.query({"token_ids": PROMPT})[1]["tiers"] == {"cpu": 48, "ssd": 48, "shared": 48}
+    served.shared.reset()
+    assert served.shared.generation == 1
+    status, body = served.query({"token_ids": PROMPT})
+    assert status == 200, body
+    assert body["tiers"] == {"cpu": 0, "ssd": 0, "shared": 0}
+    assert body["instances"]["engine-a"]["longest_matched"] == 0
+    served.store(served.shared.ns(generation_keys(keys[:3], 1)))
+    status, body = served.query({"token_ids": PROMPT})
+    assert body["tiers"] == {"cpu": 48, "ssd": 48, "shared": 48}
+    assert body["instances"]["engine-a"]["longest_matched"] == 48
 
 
 # --------------------------------------------------------------------------- refusals

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from kvoffload.config import KVOffloadConfig
 from kvoffload.exceptions import ConfigError
+from kvoffload.keys import generation_keys
 from kvoffload.lookup import VllmHashing
 
 from .canary import Canary
@@ -180,7 +181,7 @@ class AdminServer:
             self.shared.offloader,
             self.view,
             hashes,
-            self.shared.ns,
+            lambda keys: self.shared.ns(generation_keys(keys, self.shared.generation)),
             instance=spec.engine_id,
             dp_rank=spec.dp_rank,
             block_size=spec.block_size,

@@ -13,7 +13,6 @@ metadata defined here and the books.
 from __future__ import annotations
 
 import logging
-import struct
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_events import KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from kvoffload.keys import BlockKey, key_from_hash, namespaced
+from kvoffload.keys import BlockKey, generation_keys, key_from_hash
 
 from .answers import Answers
 from .books import _RemoteBooks
@@ -41,25 +40,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-GENERATION_SPACE = b"kvoffload-reset-generation"
-"""The namespace of a reset's generation in the keys (:func:`generation_keys`)."""
-
 MAX_STEPS_IN_FLIGHT = 4
 """Steps scheduled and not yet done that the prefill timing tracks (vLLM's asynchronous
 scheduling keeps one ahead; more means a step's output never came back to us)."""
-
-
-def generation_keys(keys: list[BlockKey], generation: int) -> list[BlockKey]:
-    """``keys`` as the engine's ``generation``-th connector reset sees them: unchanged
-    before the first reset (the keys of every tier written before resets existed, and
-    of an engine never reset), else under a namespace of their own. A reset bumps the
-    generation, so no block stored before it is found again by this engine, on any
-    tier; engines (replicas, a P/D pair) share blocks while they have been reset as
-    many times (docs/vllm.md, "Weight updates")."""
-    if generation == 0:
-        return keys
-    space = GENERATION_SPACE + struct.pack("<Q", generation)
-    return [namespaced(k, space) for k in keys]
 
 
 @dataclass

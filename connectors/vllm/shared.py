@@ -90,6 +90,10 @@ class _Shared:
 
     def __post_init__(self) -> None:
         self.answers = Answers(self, self.books_timeout_s)
+        self.generation = 0
+        """Connector resets so far: the reset generation of the scheduler side's keys
+        (:func:`kvoffload.keys.generation_keys`), for the operator endpoint's
+        ``/query``."""
         """The scheduler side's questions, answered without blocking it."""
         self._told_skip = False
 
@@ -246,7 +250,9 @@ class _Shared:
 
     def reset(self) -> int:
         """A connector reset: drop every unpinned block of the first tier (how many),
-        and tell the KV-event book (the old generation's blocks are announced removed)."""
+        and tell the KV-event book (the old generation's blocks are announced removed).
+        Counted in :attr:`generation` (the scheduler side's count, one reset each)."""
+        self.generation += 1
         self.events.reset()
         return self.offloader.clear_first_tier()
 
