@@ -195,6 +195,11 @@ class _EventBook:
         announces the blocks of the generation before it removed."""
         self._resets += 1
 
+    def close(self) -> None:
+        """Close the persistent tiers' journal files (the worker side's shutdown)."""
+        if self.journals is not None:
+            self.journals.close()
+
     def remember(self, keys: Sequence[BlockKey], blocks: EventBlocks, group: int = 0) -> None:
         bs = blocks.block_size
         self._newest = max(self._newest, blocks.generation)

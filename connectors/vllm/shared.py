@@ -385,3 +385,4 @@ def _close(slot: str) -> None:
             shared.server.close()
         shared.answers.close()
         shared.offloader.close()
+        shared.events.close()
