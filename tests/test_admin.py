@@ -293,10 +293,17 @@ PROMPT = list(range(1, 4 * 16 + 9))  # 4 full blocks of 16 tokens and 8 more
 UNSEEN = list(range(500, 500 + 4 * 16))
 
 
+def _entry(cpu: int, disk: int, remote: int) -> dict[str, Any]:
+    """The instance entry of a walk that reached ``cpu``, ``disk``, ``remote`` tokens:
+    Dynamo's fields, its ``gpu`` and ``dp`` 0 (the worker side cannot see vLLM's prefix
+    cache), ``longest_matched`` the walk's end."""
+    return dict(longest_matched=remote, gpu=0, dp={"0": 0}, cpu=cpu, disk=disk, remote=remote)
+
+
 def test_query_matches_each_tier_exactly_and_claims_nothing(served: Served) -> None:
     """A prompt whose first 3 of 4 blocks were stored: 48 tokens on every tier, by
     token ids and by vLLM's block hashes alike; an unseen prompt 0. After the cpu tier
-    evicted them the prefix is still 48 tokens (disk), 0 in memory. No query pins a
+    evicted them the walk reaches 48 tokens on disk, 0 in memory. No query pins a
     block or moves a counter."""
     keys = served.keys(PROMPT)
     assert len(keys) == 4
@@ -304,7 +311,7 @@ def test_query_matches_each_tier_exactly_and_claims_nothing(served: Served) -> N
     before, _ = served.off.counters()
     hashes = [h.hex() for h in HASHING.block_hashes(PROMPT)]
     expected = {
-        "instances": {"engine-a": {"longest_matched": 48, "cpu": 48, "disk": 48, "dp": {"0": 48}}},
+        "instances": {"engine-a": _entry(48, 48, 48)},
         "tiers": {"cpu": 48, "ssd": 48, "shared": 48},
         "block_size": 16,
         "blocks": 4,
@@ -313,30 +320,41 @@ def test_query_matches_each_tier_exactly_and_claims_nothing(served: Served) -> N
     assert served.query({"block_hashes": hashes}) == (200, expected)
     assert served.query({"block_hashes": hashes}, "/query_by_hash") == (200, expected)
     unseen = served.query({"token_ids": UNSEEN, "model": "m", "block_size": 16})
-    assert unseen == (
-        200,
-        {
-            "instances": {"engine-a": {"longest_matched": 0, "cpu": 0, "disk": 0, "dp": {"0": 0}}},
-            "tiers": {"cpu": 0, "ssd": 0, "shared": 0},
-            "block_size": 16,
-            "blocks": 4,
-        },
-    )
+    zeros = {"instances": {"engine-a": _entry(0, 0, 0)}, "tiers": {"cpu": 0, "ssd": 0, "shared": 0}}
+    assert unseen == (200, {**expected, **zeros})
     served.store(make_keys(CPU_BLOCKS, salt=3))  # the cpu tier evicts the prompt's
     status, body = served.query({"token_ids": PROMPT})
     assert status == 200, body
-    assert body["instances"]["engine-a"] == {
-        "longest_matched": 48,
-        "cpu": 0,
-        "disk": 48,
-        "dp": {"0": 48},
-    }
+    assert body["instances"]["engine-a"] == _entry(0, 48, 48)
     assert body["tiers"] == {"cpu": 0, "ssd": 48, "shared": 48}
     assert served.off.pinned() == [0, 0, 0]
     after, _ = served.off.counters()
     assert {t: (v["hits"], v["misses"]) for t, v in after.items()} == {
         t: (v["hits"], v["misses"]) for t, v in before.items()
     }
+
+
+def test_query_walks_cpu_then_disk_then_the_shared_tier(served: Served) -> None:
+    """Dynamo's walk, cumulative: the prompt's 3 blocks pushed out of the cpu and mmap
+    tiers by more blocks than the mmap tier has slots (the shared tier keeps them):
+    cpu 0, disk 0, remote 48 tokens. Then its first block stored again (all three
+    tiers): cpu 16, disk 16 (the mmap tier holds nothing after the cpu's prefix),
+    remote 48 (the shared tier continues it), longest_matched 48; alone, the tiers
+    hold 16, 16 and 48."""
+    keys = served.keys(PROMPT)
+    served.store(keys[:3])
+    slots = served.off.tiers[1].manager.capacity
+    for salt in range(4, 5 + slots // CPU_BLOCKS):  # past the mmap's slots, 8 at a time
+        served.store(make_keys(CPU_BLOCKS, salt=salt))
+    status, body = served.query({"token_ids": PROMPT})
+    assert status == 200, body
+    assert body["tiers"] == {"cpu": 0, "ssd": 0, "shared": 48}
+    assert body["instances"]["engine-a"] == _entry(0, 0, 48)
+    served.store(keys[:1])
+    status, body = served.query({"token_ids": PROMPT})
+    assert status == 200, body
+    assert body["tiers"] == {"cpu": 16, "ssd": 16, "shared": 48}
+    assert body["instances"]["engine-a"] == _entry(16, 16, 48)
 
 
 def test_query_after_a_connector_reset_looks_where_the_engine_looks(served: Served) -> None:

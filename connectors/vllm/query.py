@@ -3,7 +3,10 @@
 The request and the answer follow the Mooncake KV indexer RFC (kvcache-ai/Mooncake
 #1403), which Dynamo's standalone indexer answers too: token ids (or block hashes)
 in, per medium the tokens of the prompt's prefix held there out, under the engine's
-instance id. A router that reads both can compare them block for block.
+instance id, counted as Dynamo counts them (a cumulative walk through the media), so
+that a router reading both compares them block for block; docs/operator.md says
+where they differ (this endpoint cannot see vLLM's GPU prefix cache; Dynamo cannot see
+a shared tier).
 
 In (a JSON object; other fields of the RFC, ``model``, ``tenant_id``,
 ``instance_id``, are accepted and ignored: this engine serves one model):
@@ -32,7 +35,7 @@ from kvoffload.keys import BlockKey, key_from_hash
 from kvoffload.lookup import Prompt, VllmHashing
 from kvoffload.offloader import Offloader
 
-from .tierview import BooksView, match
+from .tierview import WALK, BooksView, match
 
 MAX_BLOCKS: Final = 1 << 16
 """Most full blocks one query may name (2M tokens at 32 a block)."""
@@ -148,17 +151,25 @@ def answer(
     """The answer for vLLM block hashes ``hashes``; ``keys`` turns their keys into this
     rank's tier keys (``_Shared.ns``). Tokens throughout (blocks x ``block_size``)::
 
-        {"instances": {instance: {"longest_matched": 64, "cpu": 64, "disk": 32,
-                                  "dp": {"0": 64}}},
-         "tiers": {"cpu": 64, "ssd": 32}, "block_size": 32, "blocks": 3}
+        {"instances": {instance: {"longest_matched": 96, "gpu": 0, "dp": {"0": 0},
+                                  "cpu": 32, "disk": 64, "remote": 96}},
+         "tiers": {"cpu": 32, "ssd": 64, "shared": 96}, "block_size": 32, "blocks": 4}
 
-    ``instances`` is the RFC's (and Dynamo's) entry for this engine, one key per
-    medium of its tiers, 0 where nothing matched; ``tiers`` the same per tier."""
+    ``instances`` is Dynamo's entry for this engine, field for field, so that a router
+    reads both alike: ``cpu``, ``disk`` and then ``remote`` are one cumulative walk
+    (:func:`~.tierview.match`), ``longest_matched`` its end. ``gpu`` and ``dp`` (Dynamo's
+    per data-parallel rank count of the GPU prefix) are 0: vLLM's prefix cache lives in
+    the scheduler's process, which this worker-side endpoint cannot read, so the walk
+    starts where a GPU prefix of 0 would leave it. ``tiers``: the prefix each tier
+    holds alone."""
     tier_keys = keys([key_from_hash(h) for h in hashes])
-    per_tier, longest, media = match(offloader, view, tier_keys)
-    entry: dict[str, Any] = {"longest_matched": longest * block_size}
-    entry.update({name: n * block_size for name, n in media.items()})
-    entry["dp"] = {str(dp_rank): longest * block_size}
+    per_tier, walk = match(offloader, view, tier_keys)
+    entry: dict[str, Any] = {
+        "longest_matched": walk[WALK[-1]] * block_size,
+        "gpu": 0,
+        "dp": {str(dp_rank): 0},
+    }
+    entry.update({name: n * block_size for name, n in walk.items()})
     return {
         "instances": {instance: entry},
         "tiers": {t.name: n * block_size for t, n in zip(offloader.tiers, per_tier, strict=True)},

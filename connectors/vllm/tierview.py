@@ -150,21 +150,40 @@ def tiers_report(offloader: Offloader, view: BooksView) -> list[dict[str, Any]]:
     return out
 
 
+WALK: Final = ("cpu", "disk", "remote")
+"""The places ``/query`` walks a prompt through, in order (see :func:`match`)."""
+
+
+def place(tier: Tier) -> str:
+    """Where ``/query``'s walk reads a tier: ``cpu`` (memory), ``disk`` (a local
+    persistent backend: ``mmap``, ``lmdb``; the KV events' ``STORAGE`` / ``LOCAL``,
+    Dynamo's ``disk`` tree) or ``remote`` (a shared server's tier: ``STORAGE`` /
+    ``REMOTE``, whose events Dynamo drops, so it is reported past Dynamo's fields)."""
+    if tier.backend.server_booked:
+        return "remote"
+    return medium(tier)
+
+
 def match(
     offloader: Offloader, view: BooksView, keys: Sequence[BlockKey]
-) -> tuple[list[int], int, dict[str, int]]:
+) -> tuple[list[int], dict[str, int]]:
     """For the blocks ``keys`` (a prompt's, in order): per tier, the length of the
-    prefix it holds; the longest prefix whose every block some tier holds (what a
-    lookup finds: each block from the fastest tier holding it); and per medium, the
-    longest prefix its tiers hold together (a router's index per medium)."""
+    prefix it holds alone; and per place of :data:`WALK`, how far Dynamo's walk gets
+    (cumulative, in blocks): the prefix the ``cpu`` tiers hold together, then on
+    through the blocks after it the ``disk`` tiers hold, then the ``remote`` ones.
+    Dynamo's indexer answers its ``cpu`` and ``disk`` exactly so from the KV events
+    (after its ``gpu``, which the worker side cannot see: the walk starts at 0), and a
+    router compares the two; a block past a gap of its place counts for none."""
     held = view.held(keys)
     per_tier = [_prefix(h) for h in held]
-    anywhere = _prefix([any(col) for col in zip(*held, strict=True)]) if held else 0
-    media: dict[str, int] = {}
-    for name in dict.fromkeys(medium(t) for t in offloader.tiers):
-        rows = [h for t, h in zip(offloader.tiers, held, strict=True) if medium(t) == name]
-        media[name] = _prefix([any(col) for col in zip(*rows, strict=True)])
-    return per_tier, anywhere, media
+    walk: dict[str, int] = {}
+    at = 0
+    for name in WALK:
+        rows = [h for t, h in zip(offloader.tiers, held, strict=True) if place(t) == name]
+        while at < len(keys) and any(row[at] for row in rows):
+            at += 1
+        walk[name] = at
+    return per_tier, walk
 
 
 def _prefix(flags: Sequence[bool]) -> int:

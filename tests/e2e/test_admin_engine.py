@@ -5,7 +5,8 @@ over ``cpu -> redis`` (written through) with ``admin_port`` set, then holds
 (``engine_run.py``'s ``hold``) while this test asks its endpoint, over HTTP, what an
 operator and a router would: ``/tiers`` counts every stored block exactly, ``/query``
 matches every prompt's full blocks on both tiers (its token ids hashed as vLLM
-hashed them) and nothing for an unseen prompt, and ``/ready`` turns 503 naming the
+hashed them; the walk cpu, then disk, then the shared tier, cumulative, as Dynamo's
+indexer counts) and nothing for an unseen prompt, and ``/ready`` turns 503 naming the
 redis tier when its ``redis-server`` is frozen (SIGSTOP) or killed (SIGKILL), and
 200 again once it is back.
 """
@@ -61,6 +62,14 @@ def _ask(port: int, path: str, body: dict[str, Any] | None = None) -> tuple[int,
 def _full(prompt: list[int]) -> int:
     """Tokens of ``prompt``'s full blocks."""
     return len(prompt) // BLOCK * BLOCK
+
+
+def _entry(n: int) -> dict[str, Any]:
+    """The ``/query`` entry of a prompt whose first ``n`` tokens both tiers hold:
+    Dynamo's walk reaches ``n`` in the cpu tier, goes no further on disk (there is no
+    disk tier: ``disk`` stays ``n``) nor in the shared tier (``remote``); ``gpu`` and
+    ``dp`` are 0 (the worker side cannot see vLLM's prefix cache)."""
+    return {"longest_matched": n, "gpu": 0, "dp": {"0": 0}, "cpu": n, "disk": n, "remote": n}
 
 
 def test_the_engines_endpoint_counts_matches_and_probes_its_tiers(tmp_path: Path) -> None:
@@ -122,13 +131,11 @@ def test_the_engines_endpoint_counts_matches_and_probes_its_tiers(tmp_path: Path
             assert status == 200, found
             (entry,) = found["instances"].values()
             n = _full(prompt)
-            assert entry == {"longest_matched": n, "cpu": n, "disk": n, "dp": {"0": n}}
+            assert entry == _entry(n)
             assert found["tiers"] == {"cpu": n, "redis": n}
         status, found = _ask(port, "/query", {"token_ids": tokens(999, 300)})
         assert status == 200, found
-        assert list(found["instances"].values()) == [
-            {"longest_matched": 0, "cpu": 0, "disk": 0, "dp": {"0": 0}}
-        ]
+        assert list(found["instances"].values()) == [_entry(0)]
 
         assert _ask(port, "/ready")[0] == 200
         assert redis.proc is not None

@@ -14,6 +14,16 @@ trees, read with ``GET /dump``) exactly the blocks that engine can serve from th
 
 and its ``POST /query`` must answer each prompt, per engine, the prefix Dynamo's walk
 reaches through those exact sets (``gpu``, then ``cpu`` continuing it, then ``disk``).
+Each engine also serves our operator endpoint (``admin_port``), and its ``/query``
+must agree with Dynamo's for that engine: for each prompt whose GPU prefix Dynamo
+reports as 0 (the instance absent counts as all zeros), Dynamo's fields (``gpu``,
+``dp``, ``cpu``, ``disk``, ``longest_matched``) equal ours exactly (Dynamo's ``dp`` is
+checked to hold its ``gpu``, under rank 0, everywhere); where Dynamo's
+``gpu`` is above 0, ours (which cannot see vLLM's prefix cache) must equal the same walk
+over the true sets with the GPU's emptied. The prompts compared exactly are counted,
+all of them and those with a match: per phase and engine, as many as the true sets
+give a GPU prefix of 0 (and a match); in the restart phase all 20 of engine 1's (its
+GPU cache is empty), some of them with a match (its recovered disk).
 The phases: both engines serve workloads larger than every tier (eviction
 everywhere); engine 1 asks again for prompts only its disk still holds (promotion
 into the cpu tier); engine 2 is reset (``reset_prefix_cache(reset_connector=True)``)
@@ -71,6 +81,20 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def http(port: int, method: str, path: str, body: Any = None) -> Any:
+    """One JSON request to ``127.0.0.1:port``; its JSON answer."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}",
+        data=data,
+        method=method,
+        headers={"content-type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=30) as r:
+        raw = r.read()
+    return json.loads(raw) if raw else {}
+
+
 def docs(seed: int, n: int, blocks: int = 4) -> list[list[int]]:
     """``n`` prompts of ``blocks`` full blocks and 5 tokens more."""
     return [tokens(seed * 1000 + i, blocks * BLOCK + 5) for i in range(n)]
@@ -96,16 +120,7 @@ class Indexer:
             return None
 
     def call(self, method: str, path: str, body: Any = None) -> Any:
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{self.port}{path}",
-            data=data,
-            method=method,
-            headers={"content-type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=30) as r:
-            raw = r.read()
-        return json.loads(raw) if raw else {}
+        return http(self.port, method, path, body)
 
     def trees(self) -> dict[int, dict[str, set[int]]]:
         """Per worker, per tier: the block hashes the indexer holds (``GET /dump``)."""
@@ -149,10 +164,11 @@ class Indexer:
 
 
 class Engine:
-    """``support/dynamo_engine.py``: one engine, one command at a time."""
+    """``support/dynamo_engine.py``: one engine, one command at a time, serving our
+    operator endpoint on ``admin`` (rank 0: ``admin_port`` itself)."""
 
     def __init__(self, tmp: Path, worker: int, port: int, disk: Path) -> None:
-        self.worker, self.port = worker, port
+        self.worker, self.port, self.admin = worker, port, free_port()
         tiers = [
             {"name": "cpu", "capacity": 12 * BLOCK_BYTES},
             {
@@ -165,7 +181,7 @@ class Engine:
         ]
         spec = {
             "model": str(write_tiny_llama(tmp / "model")),
-            "kvoffload": {"config": {"tiers": tiers}},
+            "kvoffload": {"config": {"tiers": tiers, "admin_port": self.admin}},
             "kv_events": {
                 "enable_kv_cache_events": True,
                 "publisher": "zmq",
@@ -202,6 +218,11 @@ class Engine:
         self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
         self.proc.stdin.flush()
         return self.answer()
+
+    def query(self, prompt: list[int]) -> dict[str, Any]:
+        """Our endpoint's ``/query`` entry for this engine (its only instance)."""
+        (entry,) = http(self.admin, "POST", "/query", {"token_ids": prompt})["instances"].values()
+        return dict(entry)
 
     def quit(self) -> None:
         assert self.proc.stdin is not None
@@ -260,6 +281,25 @@ def walk(chain: list[int], truth: dict[str, set[int]]) -> dict[str, int]:
     return out
 
 
+def ours(chain: list[int], truth: dict[str, set[int]]) -> dict[str, Any]:
+    """Our endpoint's entry for one engine: Dynamo's walk over ``truth`` with the GPU's
+    set emptied (the worker side cannot see vLLM's prefix cache: ``gpu`` and ``dp`` 0),
+    and ``remote`` continuing it (no shared tier here: as far as ``disk``)."""
+    bare = walk(chain, {**truth, "gpu": set()})
+    return {
+        "longest_matched": bare["disk"],
+        "gpu": 0,
+        "dp": {"0": 0},
+        "cpu": bare["cpu"],
+        "disk": bare["disk"],
+        "remote": bare["disk"],
+    }
+
+
+ABSENT: dict[str, Any] = {"longest_matched": 0, "gpu": 0, "dp": {"0": 0}, "cpu": 0, "disk": 0}
+"""Dynamo's entry for an instance its ``/query`` leaves out: nothing matched."""
+
+
 @pytest.fixture
 def fleet(tmp_path: Path) -> Iterator[tuple[Indexer, dict[int, Engine]]]:
     """Both engines up (their publishers bound), then the indexer subscribed to both."""
@@ -291,9 +331,12 @@ def test_dynamo_indexer_holds_exactly_what_each_engines_tiers_hold(
     probes = work[1] + work[2]
     blocks = Blocks(probes)
     seen: dict[str, dict[int, dict[str, int]]] = {}
+    compared: dict[str, dict[int, list[int]]] = {}
 
     def agree(phase: str) -> None:
-        """The indexer's trees and answers equal each engine's tiers, exactly."""
+        """The indexer's trees and answers equal each engine's tiers, exactly, and our
+        endpoint's answers equal the indexer's where its GPU prefix is 0, else the walk
+        without the GPU's blocks."""
         held = {w: e.ask("held") for w, e in engines.items()}
         truth = {w: blocks.truth(h) for w, h in held.items()}
         assert all(h["counters"]["kv_events_dropped"] == 0 for h in held.values())
@@ -315,16 +358,31 @@ def test_dynamo_indexer_holds_exactly_what_each_engines_tiers_hold(
             }
             raise AssertionError(f"{phase}: (truth, indexer) blocks per tier: {detail}") from None
         answers: dict[int, dict[str, int]] = {1: {}, 2: {}}
+        exact = {w: [0, 0] for w in engines}  # compared exactly: all, with a match
         for chain, prompt in zip(blocks.chain, probes, strict=True):
             got = indexer.query(prompt)["instances"]
-            for w in engines:
+            for w, engine in engines.items():
                 want = walk(chain, truth[w])
-                have = got.get(str(w), {})
-                assert {t: have.get(t, 0) for t in want} == want, (phase, w)
+                have = got.get(str(w), ABSENT)
+                assert {t: have.get(t) for t in want} == want, (phase, w)
+                assert have["dp"] == {"0": have["gpu"]}, (phase, w)  # dp: the GPU's
+                mine = engine.query(prompt)
+                assert mine == ours(chain, truth[w]), (phase, w, mine)
+                if have["gpu"] == 0:  # the same walk: Dynamo's fields equal ours
+                    assert {k: mine[k] for k in have} == have, (phase, w, have, mine)
+                    exact[w][0] += 1
+                    exact[w][1] += have["longest_matched"] > 0
                 for t, n in want.items():
                     answers[w][t] = answers[w].get(t, 0) + n
+        walks = {w: [walk(c, truth[w]) for c in blocks.chain] for w in engines}
+        no_gpu = {
+            w: [sum(x["gpu"] == 0 for x in xs), sum(x["gpu"] == 0 < x["disk"] for x in xs)]
+            for w, xs in walks.items()
+        }
+        assert exact == no_gpu, phase
         seen[phase] = answers
-        print(phase, {w: {t: len(s) for t, s in truth[w].items()} for w in truth}, answers)
+        compared[phase] = exact
+        print(phase, {w: {t: len(s) for t, s in truth[w].items()} for w in truth}, answers, exact)
 
     # Eviction: each engine's workload is larger than its GPU pool and its tiers.
     for w, e in engines.items():
@@ -355,6 +413,10 @@ def test_dynamo_indexer_holds_exactly_what_each_engines_tiers_hold(
     indexer.register(1, engines[1].port)
     agree("restart")
     assert seen["restart"][1]["disk"] > 0  # the recovered blocks were announced
+    # Engine 1's GPU cache is empty: Dynamo's answer and ours agree for every probe, and
+    # for those of its prompts whose first block the disk recovered, on a match.
+    assert compared["restart"][1][0] == len(probes)
+    assert compared["restart"][1][1] > 0
     cached = engines[1].ask("generate", prompts=work[1][-3:])["cached"]
     assert sum(cached) > 0
     agree("restart hit")
