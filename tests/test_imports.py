@@ -34,8 +34,8 @@ the layers, and plugins that are not ours to place.
 The layers, lowest first (:data:`LAYERS`); a module may import from its own layer and
 the ones below, never from above, and within a layer only without cycles:
 
-1. basic data: config, keys, layout, sizes, exceptions, record, codec, slots, dirlock,
-   plugins, metrics;
+1. basic data: config, keys, layout, sizes, exceptions, record, codec, slots, extents,
+   dirlock, plugins, metrics;
 2. bookkeeping: manager, lru_manager, server_manager, server_events, policies, plans;
 3. storage: backend, registry, tier, hostcopy, and the backends;
 4. data movement: blockpool, transfer, books, claims, devicelane, datapath, jobs;
@@ -76,6 +76,8 @@ LAYERS: Final[dict[int, tuple[str, tuple[str, ...]]]] = {
             # The codecs of the compressed tiers, beside the record that names them.
             "codec",
             "slots",
+            # Pages as extents (issue 33's packed disk layout), beside the slots.
+            "extents",
             "dirlock",
             # The entry-point name table the registry is built on: the config finds a
             # plugin tier's settings model through it, without the backend layer.
