@@ -8,6 +8,13 @@ n loads). No Python object per block: the garbage collector has nothing per bloc
 walk, and a batch of stores allocates no objects beyond its lists. Every primitive is
 O(1) per block (``prepare_store`` also skips pinned blocks it meets).
 Runs on the scheduler side; not thread-safe, as the engine's scheduler is one thread.
+
+A compressed tier holds more blocks than full-size slots would, so it may be given a
+byte budget (opt-in): admission and eviction then answer to the bytes the blocks hold,
+and the slot count only caps how many. A block's charge, one more int in a list
+indexed by slot, is the most it can take until its lane reports what it took (see
+:meth:`LRUOffloadingManager.charge`). Without a budget no path does any work per block
+for it: each checks ``byte_budget`` once per call.
 """
 
 from __future__ import annotations
@@ -25,7 +32,17 @@ logger = logging.getLogger(__name__)
 
 
 class LRUOffloadingManager(OffloadingManager):
-    """Bookkeeping for one tier of ``allocator.num_slots`` blocks."""
+    """Bookkeeping for one tier of ``allocator.num_slots`` blocks.
+
+    With ``byte_budget`` the tier holds at most that many bytes, each block charged
+    ``full_charge`` (its uncompressed size; required then, ignored without a budget)
+    until :meth:`charge` says what it took. Give a budgeted tier's allocator more slots
+    than ``byte_budget // full_charge``, say ``byte_budget // min_charge`` (the least a
+    block compresses to): with no more, the slots bind before the bytes and compression
+    buys no blocks. A store admitted at ``full_charge`` needs that much headroom until
+    it is charged, so a full tier holds about ``(byte_budget - full_charge * blocks in
+    flight) / charge`` blocks plus those in flight.
+    """
 
     def __init__(
         self,
@@ -34,6 +51,8 @@ class LRUOffloadingManager(OffloadingManager):
         *,
         name: str = "tier",
         enable_events: bool = True,
+        byte_budget: int | None = None,
+        full_charge: int | None = None,
     ) -> None:
         self.name = name
         self.allocator = allocator
@@ -46,6 +65,18 @@ class LRUOffloadingManager(OffloadingManager):
         # the per-block loops. One list is one object to the garbage collector.
         self._refs: list[int] = [0] * allocator.num_slots
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
+        self.byte_budget = byte_budget  # None: the slots alone bind
+        self.full_charge = 0  # a block's charge until its stored size is known
+        self.bytes_held = 0  # the held blocks' charges (not kept without a budget)
+        # Charges of the blocks with ref_cnt 0 (those eviction may take), kept as refs
+        # change, so prepare_store knows whether it can make room before evicting any.
+        self._idle_bytes = 0
+        self._charges: list[int] = []  # per slot; 0 on a free slot
+        if byte_budget is not None:
+            if full_charge is None or not 1 <= full_charge <= byte_budget:
+                raise ValueError(f"byte_budget {byte_budget} needs 1 <= full_charge <= it")
+            self.full_charge = full_charge
+            self._charges = [0] * allocator.num_slots
 
     # -- introspection ------------------------------------------------------------
     @property
@@ -96,6 +127,10 @@ class LRUOffloadingManager(OffloadingManager):
                 raise BlockStateError(
                     f"tier {self.name!r}: prepare_load of {key.hex()} which is not ready"
                 )
+        if self.byte_budget is not None:  # idle blocks about to be pinned
+            charges = self._charges
+            pins = {s for s in slots if s is not None and refs[s] == 0}
+            self._idle_bytes -= sum(charges[s] for s in pins)
         for slot in slots:
             assert slot is not None
             refs[slot] += 1
@@ -105,6 +140,9 @@ class LRUOffloadingManager(OffloadingManager):
         self.policy.touch(reversed(keys))
 
     def complete_load(self, keys: Sequence[BlockKey]) -> None:
+        if self.byte_budget is not None:
+            self._complete_load_budgeted(keys)
+            return
         refs = self._refs
         for key, slot in zip(keys, self.policy.get_many(keys), strict=True):
             if slot is None or refs[slot] <= 0:
@@ -113,8 +151,27 @@ class LRUOffloadingManager(OffloadingManager):
                 )
             refs[slot] -= 1
 
+    def _complete_load_budgeted(self, keys: Sequence[BlockKey]) -> None:
+        """:meth:`complete_load` where blocks that fall idle bring back their charge.
+        Checked whole before it changes anything, so a bad batch cannot leave the idle
+        bytes out of step with the reference counts."""
+        refs, charges = self._refs, self._charges
+        unpins: dict[int, int] = {}  # slot -> loads this call ends
+        for key, slot in zip(keys, self.policy.get_many(keys), strict=True):
+            if slot is None or refs[slot] - unpins.get(slot, 0) <= 0:
+                raise BlockStateError(
+                    f"tier {self.name!r}: complete_load of {key.hex()} which is not pinned"
+                )
+            unpins[slot] = unpins.get(slot, 0) + 1
+        for slot, n in unpins.items():
+            refs[slot] -= n
+            if refs[slot] == 0:
+                self._idle_bytes += charges[slot]
+
     # -- store path ---------------------------------------------------------------
     def prepare_store(self, keys: Sequence[BlockKey]) -> PrepareStoreOutput | None:
+        if self.byte_budget is not None:
+            return self._prepare_store_budgeted(keys, self.byte_budget)
         # dict.fromkeys: keep call order, drop keys repeated within the call.
         unique = list(dict.fromkeys(keys))
         held = self.policy.get_many(unique)
@@ -141,6 +198,107 @@ class LRUOffloadingManager(OffloadingManager):
         self.policy.insert_many(new, slots)
         return PrepareStoreOutput(new, slots, evicted, evicted_slots)
 
+    def _prepare_store_budgeted(
+        self, keys: Sequence[BlockKey], budget: int
+    ) -> PrepareStoreOutput | None:
+        """:meth:`prepare_store` under a byte budget: room is enough free slots and
+        ``bytes_held + len(new) * full_charge <= budget``.
+
+        Whether room can be made is settled before anything is evicted, from the idle
+        bytes (kept as references change) less those of idle blocks named in ``keys``.
+        The policy's ``evict`` is all-or-nothing by count, so each round asks it for a
+        lower bound on the blocks still needed (none is charged over ``full_charge``):
+        no block too many goes, and the victims come in the policy's order."""
+        unique = list(dict.fromkeys(keys))
+        held = self.policy.get_many(unique)
+        new = [k for k, slot in zip(unique, held, strict=True) if slot is None]
+        if not new:
+            return PrepareStoreOutput([], [], [])
+        refs, charges, full = self._refs, self._charges, self.full_charge
+        protected_idle = sum(charges[s] for s in held if s is not None and refs[s] == 0)
+        byte_deficit = self.bytes_held + len(new) * full - budget
+        if byte_deficit > self._idle_bytes - protected_idle:
+            return None  # evicting every block it may would not free enough bytes
+        slot_deficit = len(new) - self.allocator.num_free
+        evicted: list[BlockKey] = []
+        evicted_slots: list[int] = []
+        protected = set(keys)
+        while slot_deficit > 0 or byte_deficit > 0:
+            victims = self.policy.evict(
+                max(slot_deficit, -(-byte_deficit // full)), protected, refs
+            )
+            if victims is None:
+                # The bytes were checked above, so only the first round (the only one
+                # that may ask for more blocks than the bytes need) can fail: by slots.
+                assert not evicted
+                return None
+            round_slots = [slot for _, slot in victims]
+            byte_deficit -= self._release(round_slots, idle=True)
+            slot_deficit -= len(victims)
+            evicted_slots += round_slots
+            evicted += [key for key, _ in victims]
+        if evicted:
+            self.allocator.free(evicted_slots)
+            self._record(evicted, removed=True)
+        slots = self.allocator.allocate(len(new))
+        assert slots is not None  # the slot deficit was made good above
+        for slot in slots:
+            refs[slot] = -1  # being written
+            charges[slot] = full
+        self.bytes_held += len(new) * full
+        self.policy.insert_many(new, slots)
+        return PrepareStoreOutput(new, slots, evicted, evicted_slots)
+
+    def charge(self, keys: Sequence[BlockKey], sizes: Sequence[int]) -> None:
+        """Set the stored size of blocks being written or ready: what their lane wrote.
+
+        How the books learn it: the lane knows a block's size once it compressed and
+        wrote it, and hands the job's sizes back with the job's completion, which the
+        books settle under their lock anyway (``complete_store``). That settle calls
+        this once with the whole job's keys and sizes, in the same locked section:
+        one lock round trip per job, not a second one per block. Until then a block is
+        charged ``full_charge``, so a charge only falls: a size below 1 or above the
+        block's charge when the call began raises :class:`BlockStateError`, changing
+        nothing. Keys not held are ignored (a failed store released its charge); so is
+        the call on a tier without a budget, so the books need not ask which is which.
+        """
+        if self.byte_budget is None:
+            return
+        refs, charges, full = self._refs, self._charges, self.full_charge
+        found: list[int] = []
+        found_sizes: list[int] = []
+        for key, slot, size in zip(keys, self.policy.get_many(keys), sizes, strict=True):
+            if not 1 <= size <= full or (slot is not None and size > charges[slot]):
+                limit = full if slot is None else charges[slot]
+                raise BlockStateError(
+                    f"tier {self.name!r}: charge of {size} bytes for {key.hex()} outside 1..{limit}"
+                )
+            if slot is not None:
+                found.append(slot)
+                found_sizes.append(size)
+        held_delta = idle_delta = 0
+        for slot, size in zip(found, found_sizes, strict=True):
+            delta = size - charges[slot]
+            charges[slot] = size
+            held_delta += delta
+            if refs[slot] == 0:
+                idle_delta += delta
+        self.bytes_held += held_delta
+        self._idle_bytes += idle_delta
+
+    def _release(self, slots: Sequence[int], *, idle: bool) -> int:
+        """Drop the charges of blocks leaving ``slots`` (``idle``: they had ref_cnt 0);
+        the bytes freed."""
+        charges = self._charges
+        freed = 0
+        for slot in slots:
+            freed += charges[slot]
+            charges[slot] = 0
+        self.bytes_held -= freed
+        if idle:
+            self._idle_bytes -= freed
+        return freed
+
     def complete_store(self, keys: Sequence[BlockKey], success: bool = True) -> None:
         done: list[BlockKey] = []
         freed: list[int] = []
@@ -156,6 +314,10 @@ class LRUOffloadingManager(OffloadingManager):
             else:
                 self.policy.remove(key)
                 freed.append(slot)
+        if self.byte_budget is not None:
+            self._release(freed, idle=False)
+            charges = self._charges
+            self._idle_bytes += sum(charges[s] for s in self.policy.get_many(done) if s is not None)
         if freed:
             self.allocator.free(freed)
         if done:
@@ -172,10 +334,21 @@ class LRUOffloadingManager(OffloadingManager):
             self._events.append(OffloadingEvent(tuple(keys), self.name, removed))
 
     # -- persistence and repair ---------------------------------------------------
-    def restore(self, blocks: Iterable[tuple[BlockKey, int]]) -> None:
+    def restore(
+        self, blocks: Iterable[tuple[BlockKey, int]], charges: Iterable[int] | None = None
+    ) -> None:
         """Adopt ready blocks a persistent backend recovered: ``(key, slot)`` pairs,
         least recently used first, whose slots the allocator already counts as used.
-        No events: nothing changed, the books caught up with the disk."""
+        No events: nothing changed, the books caught up with the disk.
+
+        Under a byte budget, ``charges`` are their stored sizes as the tier recovered
+        them, one per pair (``full_charge`` each when left out); blocks that would
+        take the books over budget raise :class:`BlockStateError`, adopting none.
+        ``charges`` without a budget is a wiring mistake: ``ValueError``."""
+        if self.byte_budget is not None:
+            blocks = self._charge_restored(list(blocks), charges, self.byte_budget)
+        elif charges is not None:
+            raise ValueError(f"tier {self.name!r} has no byte budget to restore charges into")
         insert, get, refs = self.policy.insert, self.policy.get, self._refs
         for key, slot in blocks:
             if not self.allocator.is_allocated(slot):
@@ -184,6 +357,36 @@ class LRUOffloadingManager(OffloadingManager):
                 raise BlockStateError(f"tier {self.name!r}: {key.hex()} restored twice")
             refs[slot] = 0
             insert(key, slot)
+
+    def _charge_restored(
+        self, blocks: list[tuple[BlockKey, int]], charges: Iterable[int] | None, budget: int
+    ) -> list[tuple[BlockKey, int]]:
+        """Check the whole of a budgeted restore, then charge its slots; what
+        :meth:`restore`'s loop then adopts cannot fail half-way with charges set."""
+        full, slot_charges = self.full_charge, self._charges
+        sizes = [full] * len(blocks) if charges is None else list(charges)
+        if len(sizes) != len(blocks):
+            raise ValueError(f"{len(blocks)} blocks restored with {len(sizes)} charges")
+        seen: set[BlockKey | int] = set()  # keys and slots of this call
+        for (key, slot), size in zip(blocks, sizes, strict=True):
+            taken = key in seen or slot in seen or slot_charges[slot] or self.holds(key)
+            if taken or not self.allocator.is_allocated(slot) or not 1 <= size <= full:
+                raise BlockStateError(
+                    f"tier {self.name!r}: cannot restore {key.hex()} in slot {slot} charged "
+                    f"{size}: taken, not allocated, or outside 1..{full}"
+                )
+            seen.update((key, slot))
+        total = sum(sizes)
+        if self.bytes_held + total > budget:
+            raise BlockStateError(
+                f"tier {self.name!r}: restoring {total} bytes onto {self.bytes_held} "
+                f"exceeds the byte budget {budget}"
+            )
+        for (_, slot), size in zip(blocks, sizes, strict=True):
+            slot_charges[slot] = size
+        self.bytes_held += total
+        self._idle_bytes += total
+        return blocks
 
     def remove(self, keys: Sequence[BlockKey]) -> list[int]:
         """Drop ready, unpinned blocks (found corrupt, or invalidated); return their
@@ -202,6 +405,8 @@ class LRUOffloadingManager(OffloadingManager):
             freed.append(slot)
             removed.append(key)
         if freed:
+            if self.byte_budget is not None:
+                self._release(freed, idle=True)
             self.allocator.free(freed)
             self._record(removed, removed=True)
         return freed
@@ -222,4 +427,29 @@ class LRUOffloadingManager(OffloadingManager):
         in_use = self.allocator.num_slots - self.allocator.num_free
         if in_use != len(seen):
             problems.append(f"{in_use} slots allocated but {len(seen)} blocks held (leak)")
+        if self.byte_budget is not None:
+            problems += self._check_budget(self.byte_budget, seen)
+        return problems
+
+    def _check_budget(self, budget: int, held: dict[int, BlockKey]) -> list[str]:
+        """Each held block charged 1..full_charge, no other slot charged, sums as kept."""
+        problems: list[str] = []
+        charges, refs, full = self._charges, self._refs, self.full_charge
+        total = idle = 0
+        for slot, charge in enumerate(charges):
+            if slot not in held:
+                if charge:
+                    problems.append(f"free slot {slot} carries a charge of {charge}")
+                continue
+            if not 1 <= charge <= full:
+                problems.append(f"{held[slot].hex()} charged {charge}, outside 1..{full}")
+            total += charge
+            if refs[slot] == 0:
+                idle += charge
+        if total != self.bytes_held:
+            problems.append(f"charges sum to {total} but bytes_held is {self.bytes_held}")
+        if self.bytes_held > budget:
+            problems.append(f"{self.bytes_held} bytes held exceed the byte budget {budget}")
+        if idle != self._idle_bytes:
+            problems.append(f"idle charges sum to {idle} but {self._idle_bytes} are kept")
         return problems
