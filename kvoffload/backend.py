@@ -38,6 +38,8 @@ class RecoveredBlock:
     slot: int
     atime: float
     """Last write or (approximately) last load, in seconds since the epoch."""
+    charge: int = 0
+    """Bytes it takes in a tier with a :meth:`Backend.budget` (0: the full charge)."""
 
 
 class Backend(ABC):
@@ -64,7 +66,8 @@ class Backend(ABC):
                 f"tier {config.name!r}: capacity = {config.capacity} bytes holds no block of "
                 f"{self.slot_bytes(layout)} bytes; raise tiers[].capacity to at least that"
             )
-        self.slots = SlotAllocator(num_slots)
+        self.slots = SlotAllocator(self.slots_for(num_slots))
+        self.slots.on_free = self.released
         self._packed_lock = threading.Lock()
         self._packed = [0, 0]  # logical, stored bytes of the blocks written so far
 
@@ -86,6 +89,28 @@ class Backend(ABC):
     def slot_bytes(cls, layout: KVLayout) -> int:
         """Bytes one slot takes in this tier (payload plus any header or padding)."""
         return layout.bytes_per_block
+
+    def slots_for(self, full_slots: int) -> int:
+        """How many slots to keep, given how many full-size blocks ``capacity`` holds.
+        A tier with a :meth:`budget` keeps more (a block may take less than its full
+        size); others exactly that many."""
+        return full_slots
+
+    def budget(self) -> tuple[int, int] | None:
+        """``(byte_budget, full_charge)`` where this tier holds blocks by the bytes they
+        take (compressed, or variable-size records), not by slots: its manager then
+        admits and evicts by bytes, each block charged ``full_charge`` until
+        :meth:`write` says what it took. ``None`` (the default): the slots bind.
+
+        A backend that answers here may free what a slot holds in :meth:`released`:
+        a budgeted manager frees a slot only once no I/O planned on it is in flight."""
+        return None
+
+    def released(self, slots: Sequence[int]) -> None:  # noqa: B027 - optional hook
+        """Slots just freed (by the manager, or :meth:`free`): what they held is no
+        longer wanted. Called from :meth:`SlotAllocator.free
+        <kvoffload.slots.SlotAllocator.free>` on the books' thread, so it must be
+        quick (memory work; any I/O deferred to the next write)."""
 
     @property
     def num_slots(self) -> int:
@@ -132,10 +157,16 @@ class Backend(ABC):
 
     # -- data (per backend) -------------------------------------------------------
     @abstractmethod
-    def write(self, slots: Sequence[int], keys: Sequence[BlockKey], src: torch.Tensor) -> None:
+    def write(
+        self, slots: Sequence[int], keys: Sequence[BlockKey], src: torch.Tensor
+    ) -> list[int] | None:
         """Write row ``i`` of ``src`` (``uint8 [n, bytes_per_block]``) to ``slots[i]``,
         recording ``keys[i]``. Raises :class:`~kvoffload.exceptions.BackendError` on
-        I/O failure; the caller then fails the store."""
+        I/O failure; the caller then fails the store.
+
+        Returns ``None`` (every block stored), or, from a tier with a :meth:`budget`,
+        the bytes each block takes there: ``1..full_charge``, or 0 where it found no
+        room for that block (not stored: the caller drops it, a miss)."""
 
     @abstractmethod
     def read(self, slots: Sequence[int], keys: Sequence[BlockKey], dst: torch.Tensor) -> list[bool]:

@@ -379,9 +379,13 @@ class Books:
             stored = [k for k, good in zip(w.keys, ok, strict=True) if good]
             lost = [k for k, good in zip(w.keys, ok, strict=True) if not good]
             manager.complete_store(lost, success=False)
+        if out.charges is not None:  # what each block took in a budgeted tier
+            took = [c for c, good in zip(out.charges, ok, strict=True) if good]
+            manager.charge(stored, took)
         manager.complete_store(stored, success=True)
         if out.failed:
             stats.store_errors += len(w.keys)
+        stats.rejected_stores += out.unplaced  # no room found as it wrote
         stats.blocks_stored += len(stored)
         stats.bytes_written += len(stored) * self.bpb
         elapsed = time.perf_counter() - w.submitted

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
 import torch
@@ -203,7 +203,10 @@ class Jobs:
                 assert out_of is not None
                 for pos, rows in out_of:
                     count = rows.shape[0]
-                    tier.backend.write(w.slots[pos : pos + count], w.keys[pos : pos + count], rows)
+                    sizes = tier.backend.write(
+                        w.slots[pos : pos + count], w.keys[pos : pos + count], rows
+                    )
+                    self._charged(out, range(pos, pos + count), sizes)
             seconds = time.perf_counter() - t0
             if into is None:
                 seconds += self._throttle(w.tier, n * bpb, seconds)
@@ -224,12 +227,27 @@ class Jobs:
             assert buf is not None
             src = buf if len(good) == n else buf[torch.tensor(good)]
             t0 = time.perf_counter()
-            tier.backend.write(
+            sizes = tier.backend.write(
                 [w.slots[i] for i in good], [w.keys[i] for i in good], src.contiguous()
             )
+            self._charged(out, good, sizes)
             seconds = time.perf_counter() - t0
             seconds += self._throttle(w.tier, len(good) * bpb, seconds)
             out.tally.writes.append((w.tier, seconds))
+
+    @staticmethod
+    def _charged(out: WriteOutcome, positions: Iterable[int], got: list[int] | None) -> None:
+        """A budgeted tier's answer to a write of the keys at ``positions``: their
+        charges into the outcome, and a block it found no room for (0) not landed."""
+        if got is None:
+            return
+        if out.charges is None:
+            out.charges = [0] * len(out.write.keys)
+        for i, size in zip(positions, got, strict=True):
+            out.charges[i] = size
+            if size <= 0:
+                out.ok[i] = False
+                out.unplaced += 1
 
     @staticmethod
     def _verified(out: WriteOutcome, got: list[bool] | None) -> None:

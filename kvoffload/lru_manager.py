@@ -77,6 +77,9 @@ class LRUOffloadingManager(OffloadingManager):
                 raise ValueError(f"byte_budget {byte_budget} needs 1 <= full_charge <= it")
             self.full_charge = full_charge
             self._charges = [0] * allocator.num_slots
+        # Slots of victims a budgeted store did not reuse, freed when the store whose
+        # first new key this is completes (see _prepare_store_budgeted).
+        self._parked: dict[BlockKey, list[int]] = {}
 
     # -- introspection ------------------------------------------------------------
     @property
@@ -237,11 +240,20 @@ class LRUOffloadingManager(OffloadingManager):
             slot_deficit -= len(victims)
             evicted_slots += round_slots
             evicted += [key for key, _ in victims]
+        # The victims' slots are not freed here: the write may read them first (a
+        # demotion), and a backend lets go of what a freed slot holds (its extent, its
+        # record) at once. So victims' slots are reused as they are, free slots make
+        # up the rest, and the victims' slots left over are parked until this write is
+        # settled, so no other write can take their space before it has read them.
+        # (The order, victims' slots first, is the one freeing and allocating gives.)
+        reuse = min(len(new), len(evicted_slots))
+        rest = self.allocator.allocate(len(new) - reuse)
+        assert rest is not None  # the slot deficit was made good above
+        slots = evicted_slots[:reuse] + rest
+        if len(evicted_slots) > reuse:
+            self._parked[new[0]] = evicted_slots[reuse:]
         if evicted:
-            self.allocator.free(evicted_slots)
             self._record(evicted, removed=True)
-        slots = self.allocator.allocate(len(new))
-        assert slots is not None  # the slot deficit was made good above
         for slot in slots:
             refs[slot] = -1  # being written
             charges[slot] = full
@@ -318,6 +330,9 @@ class LRUOffloadingManager(OffloadingManager):
             self._release(freed, idle=False)
             charges = self._charges
             self._idle_bytes += sum(charges[s] for s in self.policy.get_many(done) if s is not None)
+            if self._parked:
+                for key in unique:
+                    freed += self._parked.pop(key, ())
         if freed:
             self.allocator.free(freed)
         if done:
@@ -424,7 +439,11 @@ class LRUOffloadingManager(OffloadingManager):
                 problems.append(f"{key.hex()} sits in free slot {slot}")
         if len(seen) > self.capacity:
             problems.append(f"{len(seen)} blocks exceed capacity {self.capacity}")
-        in_use = self.allocator.num_slots - self.allocator.num_free
+        parked = [s for slots in self._parked.values() for s in slots]
+        for slot in parked:
+            if slot in seen or not self.allocator.is_allocated(slot):
+                problems.append(f"parked slot {slot} is held or free")
+        in_use = self.allocator.num_slots - self.allocator.num_free - len(parked)
         if in_use != len(seen):
             problems.append(f"{in_use} slots allocated but {len(seen)} blocks held (leak)")
         if self.byte_budget is not None:

@@ -79,6 +79,10 @@ class OffloadingManager(ABC):
     def complete_store(self, keys: Sequence[BlockKey], success: bool = True) -> None:
         """Finish stores begun by :meth:`prepare_store`: make ready, or drop and free."""
 
+    def charge(self, keys: Sequence[BlockKey], sizes: Sequence[int]) -> None:  # noqa: B027
+        """The bytes each of ``keys`` (being written) took, as its lane reported them,
+        for a tier whose backend has a byte budget; others ignore it."""
+
     @abstractmethod
     def take_events(self) -> list[OffloadingEvent]:
         """Drain the stored / removed events recorded since the last call."""

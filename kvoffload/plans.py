@@ -188,6 +188,11 @@ class WriteOutcome:
     """The displaced blocks read into :attr:`demoted`, in row order."""
     corrupt: list[BlockKey] = field(default_factory=list)
     """Source blocks the read found invalid: dropped from ``write.src_tier``."""
+    charges: list[int] | None = None
+    """Per key of the write, the bytes it took in a tier with a byte budget
+    (:meth:`~kvoffload.backend.Backend.write`'s answer); ``None``: full size."""
+    unplaced: int = 0
+    """Blocks the tier found no room for as it wrote (a charge of 0), not stored."""
     tally: Tally = field(default_factory=Tally)
     prefetch: Prefetch | None = None
     """The prefetch this write was the job of (its books settled with it)."""

@@ -11,11 +11,13 @@ into the engine's bytes with :func:`restore`. A new field (the codec) lands here
     version  u1   2                   1: written before compression existed (below)
     codec    u1   kvoffload.codec id  0: the payload is the engine's bytes as they are
     key_len  u1   1..64               bytes of ``key`` in use
-    flags    u1   0                   reserved
+    flags    u1   0, or FLAG_EXTENT   bit 0: ``wtime`` holds the payload's first page
     length   u4   logical bytes       must equal the layout's bytes_per_block
     seq      u8   write sequence      newest wins when a key appears twice
     stored   u4   payload bytes       as stored: length when codec is 0, less otherwise
-    wtime    u4   write time          whole seconds since the epoch
+    wtime    u4   write time          whole seconds since the epoch; in a packed slab
+                                      (FLAG_EXTENT) the first 4 KiB page of the
+                                      payload's extent instead
     atime    f8   last load time      persisted lazily; approximate LRU order on reopen
     layout   16s  layout fingerprint  data of another model/dtype/layout is never served
     checksum u8   xxh3_64(stored)     of the bytes as stored: damage is caught before
@@ -55,6 +57,10 @@ MAGIC: Final = b"KVBH"
 VERSION: Final = 2
 READABLE_VERSIONS: Final = (1, 2)
 HEADER_BYTES: Final = 128
+FLAG_EXTENT: Final = 1
+"""``flags`` bit: a packed slab's record, whose ``wtime`` is its extent's first page
+(backends/mmap_extents.py). The header CRC covers it like any field, so a torn or
+flipped placement is never trusted."""
 
 HEADER_DTYPE: Final = np.dtype(
     [
@@ -120,9 +126,11 @@ def build_headers(
     checksums: Sequence[int],
     stored: Sequence[int] | None = None,
     codecs: Sequence[int] | None = None,
+    extents: Sequence[int] | None = None,
 ) -> np.ndarray[Any, np.dtype[np.void]]:
     """The headers of a batch as one ``HEADER_DTYPE`` array, ``hcrc`` included; block
-    ``i`` gets ``seq = first_seq + i``; ``stored``/``codecs`` default to raw payloads.
+    ``i`` gets ``seq = first_seq + i``; ``stored``/``codecs`` default to raw payloads;
+    ``extents``: each payload's first page in a packed slab (:data:`FLAG_EXTENT`).
 
     A batch at a time because numpy scalar field access costs about 20 us a header:
     0.7 s of a 512 MiB store of 16 KiB blocks, more than the disk took (2026-11-23,
@@ -139,7 +147,11 @@ def build_headers(
     arr["length"] = length
     arr["seq"] = np.arange(first_seq, first_seq + n, dtype=np.uint64)
     arr["stored"] = length if stored is None else np.asarray(stored, dtype=np.uint32)
-    arr["wtime"] = int(now)
+    if extents is None:
+        arr["wtime"] = int(now)
+    else:
+        arr["flags"] = FLAG_EXTENT
+        arr["wtime"] = np.asarray(extents, dtype=np.uint32)
     arr["atime"] = now
     arr["layout"] = np.void(bytes(layout_fp))
     arr["checksum"] = np.array(checksums, dtype=np.uint64)

@@ -7,7 +7,7 @@ allocating or freeing ``n`` slots is a slice operation, not ``n`` method calls. 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvoffload.exceptions import BlockStateError
 
@@ -15,7 +15,7 @@ from kvoffload.exceptions import BlockStateError
 class SlotAllocator:
     """Hands out slot indices ``0 .. num_slots-1``; lowest indices first."""
 
-    __slots__ = ("_free", "_used", "num_slots")
+    __slots__ = ("_free", "_used", "num_slots", "on_free")
 
     def __init__(self, num_slots: int, *, used: Iterable[int] = ()) -> None:
         if num_slots <= 0:
@@ -27,6 +27,10 @@ class SlotAllocator:
         # Stack with the lowest index on top: adjacent allocations get adjacent slots,
         # which lets file-backed tiers coalesce them into one large I/O.
         self._free = [s for s in range(num_slots - 1, -1, -1) if not self._used[s]]
+        self.on_free: Callable[[Sequence[int]], None] | None = None
+        """Told of every batch :meth:`free` returns, after it is free: a backend that
+        keeps per-slot space apart from the slot (a packed slab's extents, an LMDB
+        record) lets it go there (:meth:`~kvoffload.backend.Backend.released`)."""
 
     @property
     def num_free(self) -> int:
@@ -64,6 +68,8 @@ class SlotAllocator:
                 raise BlockStateError(f"slot {s} freed twice")
             used[s] = 0
         self._free.extend(reversed(slots))
+        if self.on_free is not None and slots:
+            self.on_free(slots)
 
     def is_allocated(self, slot: int) -> bool:
         return bool(self._used[slot])

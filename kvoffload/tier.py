@@ -64,11 +64,19 @@ def build_tiers(config: KVOffloadConfig, layout: KVLayout, *, events: bool = Fal
                         "from the first tier's memory); put a cpu tier in front of it"
                     )
                 continue
+            budget = backend.budget()
             lru = LRUOffloadingManager(
-                backend.slots, config.eviction, name=tier_config.name, enable_events=events
+                backend.slots,
+                config.eviction,
+                name=tier_config.name,
+                enable_events=events,
+                byte_budget=None if budget is None else budget[0],
+                full_charge=None if budget is None else budget[1],
             )
             tiers.append(Tier(tier_config.name, backend, lru))
-            lru.restore((b.key, b.slot) for b in backend.recover())
+            found = backend.recover()
+            charges = None if budget is None else [b.charge or budget[1] for b in found]
+            lru.restore(((b.key, b.slot) for b in found), charges)
     except BaseException:
         for tier in tiers:
             tier.close()

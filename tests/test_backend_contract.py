@@ -28,3 +28,15 @@ class TestEveryInstalledBackend(BackendContract):
     def backend_factory(self, request: pytest.FixtureRequest, tmp_path: Path) -> BackendFactory:
         name = request.param
         return lambda layout, num_slots: make_backend(name, layout, num_slots, tmp_path)
+
+
+class TestPackedMmap(BackendContract):
+    """The contract over a packed ``mmap`` slab (compressed: each block in an extent of
+    its stored pages, backends/mmap_extents.py), with O_DIRECT where the filesystem
+    allows it and with buffered I/O."""
+
+    @pytest.fixture(params=["zstd", "lz4-buffered"])
+    def backend_factory(self, request: pytest.FixtureRequest, tmp_path: Path) -> BackendFactory:
+        codec, _, io = str(request.param).partition("-")
+        extra = {"compression": codec, **({"direct_io": "off"} if io else {})}
+        return lambda layout, num_slots: make_backend("mmap", layout, num_slots, tmp_path, **extra)

@@ -136,10 +136,10 @@ def test_a_load_from_below_reads_checks_and_hands_its_buffer_on(
 
 def _corrupt(tier: Tier, slot: int) -> None:
     backend: Any = tier.backend
-    slab, index = backend._locate(slot)
-    fd = os.open(slab.path, os.O_WRONLY)
+    path, at = backend.payload_at(slot)
+    fd = os.open(path, os.O_WRONLY)
     try:
-        os.pwrite(fd, b"\xff" * 64, slab.data_offset + index * backend.stride + 100)
+        os.pwrite(fd, b"\xff" * 64, at + 100)
         os.fsync(fd)
     finally:
         os.close(fd)

@@ -100,7 +100,9 @@ class FaultyBackend(Backend):
     def _fail(self, code: int, what: str) -> BackendError:
         return BackendError(f"tier {self.name!r}: {what}: [Errno {code}] {os.strerror(code)}")
 
-    def write(self, slots: Sequence[int], keys: Sequence[BlockKey], src: torch.Tensor) -> None:
+    def write(
+        self, slots: Sequence[int], keys: Sequence[BlockKey], src: torch.Tensor
+    ) -> list[int] | None:
         self._delays()
         if self._draw("enospc", self.faults.enospc):
             raise self._fail(errno.ENOSPC, "write (injected)")
@@ -110,7 +112,7 @@ class FaultyBackend(Backend):
             half = len(slots) // 2
             self.inner.write(slots[:half], keys[:half], src[:half])
             raise self._fail(errno.EIO, f"short write (injected) after {half} of {len(slots)}")
-        self.inner.write(slots, keys, src)
+        return self.inner.write(slots, keys, src)
 
     def read(self, slots: Sequence[int], keys: Sequence[BlockKey], dst: torch.Tensor) -> list[bool]:
         self._delays()
@@ -122,6 +124,12 @@ class FaultyBackend(Backend):
 
     def recover(self) -> list[RecoveredBlock]:
         return self.inner.recover()
+
+    def budget(self) -> tuple[int, int] | None:
+        return self.inner.budget()
+
+    def released(self, slots: Sequence[int]) -> None:
+        self.inner.released(slots)
 
     def discard(self, slots: Sequence[int]) -> None:
         self.inner.discard(slots)

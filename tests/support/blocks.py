@@ -77,10 +77,10 @@ def corrupt_mmap_payload(off: Offloader, key: BlockKey) -> None:
     """Overwrite 64 payload bytes of ``key``'s block in the mmap tier's slab file."""
     slot = off.tiers[1].manager.state(key).slot  # type: ignore[union-attr]
     backend: Any = off.tiers[1].backend
-    slab, index = backend._locate(slot)  # the slot's payload in its slab file
-    fd = os.open(slab.path, os.O_WRONLY)  # buffered: the tier's own fd is O_DIRECT
+    path, at = backend.payload_at(slot)  # the slot's payload in its slab file
+    fd = os.open(path, os.O_WRONLY)  # buffered: the tier's own fd is O_DIRECT
     try:
-        os.pwrite(fd, b"\xff" * 64, slab.data_offset + index * backend.stride + 100)
+        os.pwrite(fd, b"\xff" * 64, at + 100)
         os.fsync(fd)
     finally:
         os.close(fd)

@@ -135,10 +135,12 @@ class HeldBackend(FaultyBackend):
             with self._count:
                 self.outlasted += 1
 
-    def write(self, slots: Sequence[int], keys: Sequence[BlockKey], src: torch.Tensor) -> None:
+    def write(
+        self, slots: Sequence[int], keys: Sequence[BlockKey], src: torch.Tensor
+    ) -> list[int] | None:
         if self.hold_writes:
             self._wait("write")
-        super().write(slots, keys, src)
+        return super().write(slots, keys, src)
 
     def read(self, slots: Sequence[int], keys: Sequence[BlockKey], dst: torch.Tensor) -> list[bool]:
         if self.hold_reads:

@@ -1,0 +1,138 @@
+"""Where a packed ``mmap`` slab keeps its blocks: one page extent per block.
+
+Why (issue 33): a compressed slab that gives each block a full fixed slot stores fewer
+bytes per block but holds no more blocks. A *packed* slab (``compression`` other than
+``none``) keeps more slots than full-size blocks would fill and puts each block's
+stored bytes, rounded up to 4 KiB pages, in one contiguous extent of its files' data
+pages (:class:`~kvoffload.extents.ExtentAllocator`, best fit): the pages a block's
+compression saves are free for other blocks. The tier's manager budgets those pages
+(:meth:`~kvoffload.backend.Backend.budget`).
+
+Pages are numbered across the slab's files (file ``f``'s data pages are global pages
+``first_page[f] ..``); an extent never crosses a file. A block's header records the
+first page of its extent (:data:`~kvoffload.record.FLAG_EXTENT`); its length is its
+stored bytes rounded up to pages. The headers are the only record: at open,
+:func:`resolve` keeps the valid headers whose extents do not overlap a newer one's.
+
+Not thread-safe: the backend calls it under its lock, for memory work only.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvoffload.extents import ExtentAllocator
+
+
+class PackedSpace:
+    """The extents of a packed slab: free space per file, and each slot's extent."""
+
+    def __init__(self, file_pages: Sequence[int], num_slots: int, max_pages: int) -> None:
+        self.max_pages = max_pages
+        self.first_page = [0]
+        for pages in file_pages:
+            self.first_page.append(self.first_page[-1] + pages)
+        self.total_pages = self.first_page[-1]
+        self.files = [ExtentAllocator(p, max_pages=max_pages) for p in file_pages]
+        self.start = np.full(num_slots, -1, dtype=np.int64)  # slot -> first global page
+        self.pages = np.zeros(num_slots, dtype=np.int64)  # slot -> pages (0: none)
+
+    def adopt(self, slots: Sequence[int], starts: Sequence[int], pages: Sequence[int]) -> None:
+        """Start over from the extents a reopen found valid (none overlapping)."""
+        used: list[list[tuple[int, int]]] = [[] for _ in self.files]
+        for slot, start, n in zip(slots, starts, pages, strict=True):
+            f = self.file_of(start)
+            used[f].append((start - self.first_page[f], n))
+            self.start[slot], self.pages[slot] = start, n
+        self.files = [
+            ExtentAllocator(a.total_pages, max_pages=self.max_pages, used=u)
+            for a, u in zip(self.files, used, strict=True)
+        ]
+
+    def file_of(self, page: int) -> int:
+        """The file holding global page ``page``."""
+        return bisect.bisect_right(self.first_page, page) - 1
+
+    def place(self, slot: int, pages: int) -> int | None:
+        """A new extent of ``pages`` for ``slot`` (whatever it held is freed first):
+        its first global page, or ``None`` when no file has a free extent that long
+        (the slot then holds nothing). Files with the most free pages are tried first."""
+        self.release(slot)
+        order = sorted(range(len(self.files)), key=lambda f: -self.files[f].free_pages)
+        for f in order:
+            local = self.files[f].allocate(pages)
+            if local is not None:
+                start = self.first_page[f] + local
+                self.start[slot], self.pages[slot] = start, pages
+                return start
+        return None
+
+    def release(self, slot: int) -> bool:
+        """Free ``slot``'s extent; whether it had one."""
+        n = int(self.pages[slot])
+        if not n:
+            return False
+        start = int(self.start[slot])
+        f = self.file_of(start)
+        self.files[f].free(start - self.first_page[f], n)
+        self.start[slot], self.pages[slot] = -1, 0
+        return True
+
+    def extent(self, slot: int) -> tuple[int, int] | None:
+        """``(first global page, pages)`` of ``slot``'s block, if it has one."""
+        n = int(self.pages[slot])
+        return (int(self.start[slot]), n) if n else None
+
+    @property
+    def used_pages(self) -> int:
+        return sum(a.used_pages for a in self.files)
+
+    @property
+    def free_pages(self) -> int:
+        return sum(a.free_pages for a in self.files)
+
+    def largest_free(self) -> int:
+        return max(a.largest_free for a in self.files)
+
+    def check(self) -> list[str]:
+        """Problems found: each allocator's own, and slots' extents in step with them."""
+        problems = [f"file {f}: {p}" for f, a in enumerate(self.files) for p in a.check()]
+        held = np.flatnonzero(self.pages > 0)
+        if len(held) != sum(a.used_extents for a in self.files):
+            problems.append(f"{len(held)} slots hold extents, the files count another number")
+        for slot in held.tolist():
+            start, n = int(self.start[slot]), int(self.pages[slot])
+            f = self.file_of(start)
+            if not self.files[f].is_allocated(start - self.first_page[f], n):
+                problems.append(f"slot {slot}: extent ({start}, {n}) is not allocated")
+        return problems
+
+
+def resolve(
+    starts: np.ndarray[Any, Any], pages: np.ndarray[Any, Any], seqs: np.ndarray[Any, Any]
+) -> np.ndarray[Any, np.dtype[np.bool_]]:
+    """Which of a reopen's candidate extents to keep: each is kept unless it overlaps
+    one with a higher sequence number that is kept (a newer block was written over its
+    pages, or over part of them, after it was freed). One sort when nothing overlaps,
+    the common case after a clean stop; otherwise one pass, newest first, over a map
+    of the pages taken."""
+    n = len(starts)
+    keep = np.ones(n, dtype=bool)
+    if n < 2:
+        return keep
+    order = np.argsort(starts, kind="stable")
+    ends = (starts + pages)[order]
+    if not (starts[order][1:] < np.maximum.accumulate(ends)[:-1]).any():
+        return keep
+    taken = np.zeros(int((starts + pages).max()), dtype=bool)
+    for i in np.argsort(-seqs.astype(np.int64), kind="stable").tolist():
+        lo, hi = int(starts[i]), int(starts[i] + pages[i])
+        if taken[lo:hi].any():
+            keep[i] = False
+        else:
+            taken[lo:hi] = True
+    return keep
