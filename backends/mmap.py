@@ -645,10 +645,11 @@ class MmapBackend(Backend):
                 out = out.reshape(len(idxs), self.stride)
                 got = pack_payloads([rows[i] for i in idxs], out, self.packer)
                 with self._lock:
+                    for i in idxs:  # every old extent first: each may serve a new one
+                        if space.release(slots[i]):
+                            self._forget(slots[i])
                     for k, i in enumerate(idxs):
                         stored[i], codecs[i], sums[i] = got[0][k], got[1][k], got[2][k]
-                        if space.extent(slots[i]) is not None:
-                            self._forget(slots[i])
                         start = space.place(slots[i], pages_for(stored[i]))
                         starts[i] = -1 if start is None else start
                 runs: list[tuple[int, int, list[memoryview]]] = []  # file, page, views

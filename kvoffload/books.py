@@ -502,7 +502,11 @@ class Books:
         """Decide, as ``w`` is planned, which of its displaced blocks go down: the next
         tier's (``on_evict``) admitted ones. ``w.evicted`` is narrowed to them and
         ``w.demote`` says whether there are any, so the job reads exactly those before
-        overwriting their slots, and asks nobody."""
+        overwriting their slots, and asks nobody. Also which displaced slots the write
+        does not reuse (``w.released``: a budgeted tier's parked victims)."""
+        if len(w.evicted) > len(w.slots):  # a budgeted tier's victims beyond its slots
+            reused = set(w.slots)
+            w.released = [slot for _, slot in w.evicted if slot not in reused]
         nxt = w.tier + 1
         if not (
             w.evicted and nxt < len(self.managers) and self.configs[nxt].write_policy == "on_evict"

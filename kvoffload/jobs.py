@@ -191,6 +191,8 @@ class Jobs:
         if into is not None or out_of is not None:
             # Straight into (or out of) a tier's rows: read what they displace first.
             self._read_evicted(w, out)
+            if w.released:
+                tier.backend.released(w.released)
             t0 = time.perf_counter()
             if into is not None and w.pool_ids is not None:
                 self._pack(w, into, gate)
@@ -222,6 +224,8 @@ class Jobs:
                 got = self._read(w.src_tier, w.src_slots, w.keys, buf, out.tally)
                 self._verified(out, got)
         self._read_evicted(w, out)
+        if w.released:  # read (if wanted) above: their space may serve this write
+            tier.backend.released(w.released)
         good = [i for i in range(n) if out.ok[i]]
         if good:
             assert buf is not None

@@ -244,7 +244,8 @@ class LRUOffloadingManager(OffloadingManager):
         # demotion), and a backend lets go of what a freed slot holds (its extent, its
         # record) at once. So victims' slots are reused as they are, free slots make
         # up the rest, and the victims' slots left over are parked until this write is
-        # settled, so no other write can take their space before it has read them.
+        # settled, so no other write can take their space before it has read them (the
+        # job hands their space back to the backend once it has: Write.released).
         # (The order, victims' slots first, is the one freeing and allocating gives.)
         reuse = min(len(new), len(evicted_slots))
         rest = self.allocator.allocate(len(new) - reuse)

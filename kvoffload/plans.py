@@ -127,6 +127,11 @@ class Write:
     tier admits, to be read first and demoted (``on_evict``)."""
     demote: bool = False
     """Whether the next tier wants ``evicted`` (read them before overwriting)."""
+    released: list[int] = field(default_factory=list)
+    """Slots of blocks this write displaced that it does not reuse (a budgeted tier
+    evicts by bytes, so it may displace more blocks than it writes): once any
+    demotion has read them, the job tells the backend (``Backend.released``), so
+    their space serves this very write."""
     submitted: float = 0.0
     after: Any = None
     """The engine's event to wait for before reading its blocks (CUDA)."""

@@ -64,21 +64,38 @@ def build_tiers(config: KVOffloadConfig, layout: KVLayout, *, events: bool = Fal
                         "from the first tier's memory); put a cpu tier in front of it"
                     )
                 continue
-            budget = backend.budget()
-            lru = LRUOffloadingManager(
-                backend.slots,
-                config.eviction,
-                name=tier_config.name,
-                enable_events=events,
-                byte_budget=None if budget is None else budget[0],
-                full_charge=None if budget is None else budget[1],
-            )
+            lru = local_manager(backend, config.eviction, events=events)
             tiers.append(Tier(tier_config.name, backend, lru))
-            found = backend.recover()
-            charges = None if budget is None else [b.charge or budget[1] for b in found]
-            lru.restore(((b.key, b.slot) for b in found), charges)
+            adopt_recovered(lru, backend)
     except BaseException:
         for tier in tiers:
             tier.close()
         raise
     return tiers
+
+
+def local_manager(
+    backend: Backend, eviction: str = "lru", *, events: bool = False
+) -> LRUOffloadingManager:
+    """The books of a tier kept here: over ``backend``'s slots, and under its byte
+    budget where it has one (a packed, compressed tier: see
+    :meth:`~kvoffload.backend.Backend.budget`)."""
+    budget = backend.budget()
+    return LRUOffloadingManager(
+        backend.slots,
+        eviction,
+        name=backend.name,
+        enable_events=events,
+        byte_budget=None if budget is None else budget[0],
+        full_charge=None if budget is None else budget[1],
+    )
+
+
+def adopt_recovered(manager: LRUOffloadingManager, backend: Backend) -> int:
+    """Hand what ``backend`` recovered at open to ``manager`` (with each block's charge
+    under a budget); how many blocks."""
+    found = backend.recover()
+    full = manager.full_charge
+    charges = None if manager.byte_budget is None else [b.charge or full for b in found]
+    manager.restore(((b.key, b.slot) for b in found), charges)
+    return len(found)
