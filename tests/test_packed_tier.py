@@ -248,3 +248,38 @@ def test_resolve_keeps_the_newest_of_overlapping_extents() -> None:
     # (9, 1) and (10, 3) do not overlap anything kept.
     assert resolve(starts, pages, seqs).tolist() == [False, True, False, True, True]
     assert resolve(starts[3:], pages[3:], seqs[3:]).tolist() == [True, True]
+
+
+def test_the_canary_over_a_full_packed_tier_leaves_nothing(tmp_path: Path) -> None:
+    """The readiness canary's raw (full-size) block on a packed tier whose budget has
+    no room for one more full-size block: its room takes the least recent block, the
+    round passes, the canary's key is in no books afterwards, the books and the slab
+    are consistent, and a reopen recovers exactly the blocks still held."""
+    from kvoffload.connectors.vllm.canary import Canary
+
+    off = _offloader(tmp_path, "zstd")
+    try:
+        keys = make_keys(200, salt=9)
+        _store_all(off, keys[:64])
+        ssd: Any = off.tiers[1].manager
+        budget, full = off.tiers[1].backend.budget()  # type: ignore[misc]
+        for key in keys[64:]:  # one at a time, until a full-size block no longer fits
+            if ssd.bytes_held + full > budget:
+                break
+            _store_all(off, [key])
+        before = [k for k in keys if ssd.holds(k)]
+        canary = Canary(off, LAYOUT.fingerprint)
+        report = canary.probe(30.0)
+        assert [entry["ok"] for entry in report] == [True, True], report
+        after = sorted(ssd.held_keys())
+        assert canary.key not in after
+        assert after == sorted(before[1:])  # the least recent block made its room
+        assert off.check() == []
+    finally:
+        off.close()
+    reopened = _offloader(tmp_path, "zstd")
+    try:
+        assert sorted(reopened.tiers[1].manager.held_keys()) == after
+        assert reopened.check() == []
+    finally:
+        reopened.close()

@@ -144,12 +144,19 @@ class Canary:
         ``None``."""
         bpb = self.offloader.bpb
         gen = torch.Generator().manual_seed(count)
-        row = torch.randint(0, 256, (1, bpb), dtype=torch.uint8, generator=gen)
+        # A fresh random kilobyte, then zeros: a packed tier stores it in one page, so
+        # the room any store makes holds it, however its free pages are split (a raw,
+        # full-size block could find no run of pages long enough: a false alarm).
+        row = torch.zeros((1, bpb), dtype=torch.uint8)
+        head = min(bpb, 1024)
+        row[0, :head] = torch.randint(0, 256, (head,), dtype=torch.uint8, generator=gen)
         slots = self.view.take_slot(t, self.key)
         if slots is None:
             return "error: no room for a canary block (every block of the tier is pinned)"
         try:
-            tier.backend.write(slots, [self.key], row)
+            sizes = tier.backend.write(slots, [self.key], row)
+            if sizes is not None and not sizes[0]:  # a packed tier's pages in pieces
+                return "error: no room for a canary block (the tier's free pages are in pieces)"
             back = torch.empty_like(row)
             valid = tier.backend.read(slots, [self.key], back)
             if not valid[0]:

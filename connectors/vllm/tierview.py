@@ -97,10 +97,14 @@ class BooksView:
         """Room in tier ``t`` for ``key``, as a store makes it (a free slot, else the
         least recent unpinned block evicted); ``None`` if there is none. The key is
         then being written: never found, loaded or evicted until given back."""
+        tier = self.offloader.tiers[t]
         with self._lock:
-            out = self.offloader.tiers[t].manager.prepare_store([key])
+            out = tier.manager.prepare_store([key])
         if out is None or not out.keys_to_store:
             return None
+        parked = [s for s in out.evicted_slots if s not in out.slots]
+        if parked:  # a budgeted tier's extra victims: nothing reads them (no demotion)
+            tier.backend.released(parked)
         return list(out.slots)
 
     def give_back_slot(self, t: int, key: BlockKey, slots: list[int]) -> None:
