@@ -162,9 +162,17 @@ class MmapBackend(Backend):
         return full_slots * self._packing()
 
     def budget(self) -> tuple[int, int] | None:
+        """The data pages, less a reserve the budget never hands out: two full-size
+        blocks, or 1/128 of the pages if more. Why: the budget counts pages, a block
+        needs them contiguous. Simulated churn (1000 blocks of 64 pages, a mix of
+        ratios, one block per store) left 6.4% of stores with no run long enough at
+        no reserve and none at 0.5% (docs/benchmarks.md, "Packed slabs")."""
         if self.space is None:
             return None
-        return self.space.total_pages * ALIGN, self.stride
+        pages = self.space.total_pages
+        ppb = self.stride // ALIGN
+        reserve = max(2 * ppb, pages // 128)
+        return max(ppb, pages - reserve) * ALIGN, self.stride
 
     @property
     def capacity_bytes(self) -> int:

@@ -72,8 +72,9 @@ def test_a_zstd_tier_holds_more_blocks_in_the_same_capacity(
 ) -> None:
     """Both tiers get the same 200 blocks; the uncompressed one holds exactly its 64
     full-size blocks, the zstd one every block its budget's pages hold at the charge
-    each block's write answered (3 pages of 4 here), and each block it serves reads
-    back bit-exact. Nothing is refused for want of an extent."""
+    each block's write answered (3 pages of 4 here): 78 (a tier this small loses a
+    larger share to the reserve and to a batch's headroom than a big one), and each
+    block it serves reads back bit-exact. Nothing is refused for want of an extent."""
     off = _offloader(tmp_path, compression)
     try:
         keys = make_keys(200, salt=3)
@@ -92,7 +93,7 @@ def test_a_zstd_tier_holds_more_blocks_in_the_same_capacity(
             # LRU by bytes: a batch of 8 at full charge no longer fits on top (the
             # headroom a store in flight needs is what keeps it under 1.33x).
             assert manager.bytes_held + 8 * full > budget
-            assert len(held) >= FULL * 1.25
+            assert len(held) == 78  # 242 pages budgeted: 1.22x the 64 full-size blocks
         assert off.stats[1].rejected_stores == 0
         assert off.check() == []
         # What it holds loads back exactly.
@@ -120,12 +121,11 @@ def test_a_budgeted_store_parks_the_victims_slots_it_does_not_reuse(tmp_path: Pa
     """Room for two incompressible blocks takes five one-page victims: the store
     reuses two victims' slots, and the other three keep their extents (a demotion may
     still read them) until the job releases them, as it does once it has read what it
-    demotes; the slots stay allocated until the store completes. The write then finds
-    the pages in two pieces (the five freed at the front, three at the end), so it
-    places one block of four pages and not the other: the cost of fragmentation."""
-    be = _packed(tmp_path, full=4)  # 16 slots, 15 pages
+    demotes; the slots stay allocated until the store completes, and the write places
+    both blocks."""
+    be = _packed(tmp_path, full=8)  # 32 slots, 31 pages, a budget of 23 (8 reserved)
     manager = local_manager(be)
-    small = make_keys(12, salt=1)
+    small = make_keys(20, salt=1)
     for key in small:  # one at a time: each admitted at 4 pages, then charged 1
         out = manager.prepare_store([key])
         assert out is not None
@@ -134,11 +134,11 @@ def test_a_budgeted_store_parks_the_victims_slots_it_does_not_reuse(tmp_path: Pa
             [key], be.write(out.slots, [key], torch.zeros((1, BPB), dtype=torch.uint8)) or []
         )
         manager.complete_store([key])
-    assert manager.bytes_held == 12 * ALIGN
+    assert manager.bytes_held == 20 * ALIGN
     big = make_keys(2, salt=2)
     out = manager.prepare_store(big)
     assert out is not None
-    assert out.evicted == small[:5]  # 12 + 2 x 4 - 15 = 5 pages to free
+    assert out.evicted == small[:5]  # 20 + 2 x 4 - 23 = 5 pages to free
     parked = [s for s in out.evicted_slots if s not in out.slots]
     assert len(parked) == 3
     assert out.slots == out.evicted_slots[:2]
@@ -148,16 +148,12 @@ def test_a_budgeted_store_parks_the_victims_slots_it_does_not_reuse(tmp_path: Pa
     be.released(parked)  # what the job does after its demotion read
     assert all(be.is_allocated(s) and be.space.extent(s) is None for s in parked)
     sizes = be.write(out.slots, big, torch.randint(0, 256, (2, BPB), dtype=torch.uint8))
-    # Random bytes: stored raw, in full; room for one (which one: the I/O threads race).
-    assert sizes is not None
-    assert sorted(sizes) == [0, 4 * ALIGN]
-    placed = [k for k, size in zip(big, sizes, strict=True) if size]
-    manager.complete_store([k for k in big if k not in placed], success=False)
-    manager.charge(placed, [4 * ALIGN])
-    manager.complete_store(placed)
+    assert sizes == [4 * ALIGN] * 2  # random bytes: stored raw, in full
+    manager.charge(big, sizes)
+    manager.complete_store(big)
     assert not any(be.is_allocated(s) for s in parked)
-    assert be.space.used_pages == 7 + 4
-    assert manager.bytes_held == 11 * ALIGN
+    assert be.space.used_pages == 15 + 8
+    assert manager.bytes_held == 23 * ALIGN
     assert manager.check() == []
     assert be.check() == []
     be.close()
@@ -283,3 +279,20 @@ def test_the_canary_over_a_full_packed_tier_leaves_nothing(tmp_path: Path) -> No
         assert reopened.check() == []
     finally:
         reopened.close()
+
+
+def test_the_reserve_simulation_runs_the_real_books_and_map() -> None:
+    """scripts/sim_packing_reserve.py (the figures behind the budget's reserve): over
+    the same churn of one-block stores, no reserve leaves stores with no run of pages
+    long enough, and the reserve the budget keeps at this size (two full-size blocks,
+    2% of 100) leaves none."""
+    import runpy
+
+    from support.checkout import REPO
+
+    sim = runpy.run_path(str(REPO / "scripts" / "sim_packing_reserve.py"))["simulate"]
+    bare = sim(16, 100, 1, 0.0, 3000)
+    kept = sim(16, 100, 1, 0.02, 3000)
+    assert bare["unplaced"] > 0
+    assert kept["unplaced"] == 0
+    assert 1.3 < kept["held_vs_full"] <= bare["held_vs_full"]
