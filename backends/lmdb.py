@@ -18,6 +18,13 @@ LMDB addresses values by key, not by position, so slots are bookkeeping only: a
 the same transaction. The database therefore never holds more than ``num_slots``
 records, and the capacity the manager enforces is the capacity on disk.
 
+A compressing tier (``compression`` not ``none``) counts stored bytes instead: its
+manager gets a byte budget of the configured capacity (:meth:`LmdbBackend.budget`),
+each block charged its record's length, and it keeps :data:`PACKING` slots per
+full-size block so the slots do not bind first. A freed slot's record is then
+deleted on the writer thread soon after (:meth:`LmdbBackend.released`), since the
+budget no longer counts it.
+
 Threads and processes: every write transaction runs on one writer thread per process
 (LMDB binds a write transaction to the thread that began it and allows one at a
 time); reads run on the caller's thread in their own read transaction, which the
@@ -84,6 +91,12 @@ costs nothing, small enough that the writer starts early and that the
 PACK_BUFFERS: Final = 3
 """One being packed, one being put, one spare so neither side waits on the other."""
 
+PACKING: Final = 4
+"""Slots a compressing tier keeps per full-size block its capacity holds. A block is
+charged 128 bytes plus its stored payload, so KV data that compresses to a quarter
+fits up to this many times the blocks; more slots would cost memory (per-slot maps)
+for blocks few models' data compresses enough to fill."""
+
 _MAX_DBS: Final = 2
 # Each read transaction in flight takes one slot of the lock file's reader table,
 # shared by every process that opens the tier (LMDB's default is 126).
@@ -96,12 +109,14 @@ _RESERVE_SLACK_PAGES: Final = 32  # the main database's path and the meta update
 _T = TypeVar("_T")
 
 
-def map_size_for(layout: KVLayout, num_slots: int) -> int:
-    """Bytes of address space to map for ``num_slots`` records of ``layout``.
+def map_size_for(layout: KVLayout, num_slots: int, budget: int | None = None) -> int:
+    """Bytes of address space to map for ``num_slots`` records of ``layout``, whose
+    values total at most ``budget`` bytes where given (a compressing tier).
 
     Only address space: the data file grows as pages are used. LMDB cannot grow past
     it, so it must cover the records as LMDB lays them out, twice over: copy-on-write
-    keeps the pages a batch replaces until no reader can still see them, and a freed
+    keeps the pages a batch replaces until no reader can still see them (and, under a
+    budget, the records of evicted blocks until they are deleted), and a freed
     overflow run is reused only where a new value fits. The headroom holds the B-tree.
     """
     page = mmap.PAGESIZE
@@ -111,7 +126,15 @@ def map_size_for(layout: KVLayout, num_slots: int) -> int:
     # values share leaf pages, which are only half full after a split.
     big = node > page // 2
     per_block = -(-(value + _PAGE_HEADER) // page) * page if big else 2 * (node + 2)
-    size = 2 * num_slots * per_block + _MAP_HEADROOM
+    records = num_slots * per_block
+    if budget is not None:
+        # The records' values total at most ``budget``. An overflow run takes its value
+        # plus under a page (so does a value short enough for a leaf: under twice
+        # itself); a leaf value takes twice itself plus its node. So the budget bounds
+        # the bytes and the slots only the rounding: their 4x alone would map 4x.
+        extra = page + _PAGE_HEADER if big else 2 * (_NODE_HEADER + MAX_KEY_BYTES + 2)
+        records = min(records, (1 if big else 2) * budget + num_slots * extra)
+    size = 2 * records + _MAP_HEADROOM
     return -(-size // page) * page
 
 
@@ -151,7 +174,8 @@ class LmdbBackend(Backend):
         self.path = Path(config.path)
         self.readonly = config.readonly
         self.fsync = config.fsync
-        self.map_size = map_size_for(layout, self.num_slots)
+        budget = self.budget()
+        self.map_size = map_size_for(layout, self.num_slots, None if budget is None else budget[0])
         """Bytes mapped by a writer; set before first use to change it (tests do)."""
         self.missing_blocks = 0
         """Read-only: blocks asked for that the writer has since replaced (not damage).
@@ -166,6 +190,9 @@ class LmdbBackend(Backend):
         self._maps_lock = threading.Lock()
         self._open_lock = threading.Lock()
         self._stats_lock = threading.Lock()
+        self._released: list[int] = []
+        """Freed slots of a budgeted tier whose records the writer has yet to delete."""
+        self._released_lock = threading.Lock()  # held for list operations only
         self._lock_pid = os.getpid()
         self._handles: _Handles | None = None
         self._closed = False
@@ -194,18 +221,26 @@ class LmdbBackend(Backend):
         if not (path / "data.mdb").is_file():
             return None
         layout = cls.stored_layout(config)  # type: ignore[arg-type]
-        entries = 0
+        entries = value_bytes = 0
+        compressed = getattr(config, "compression", "none") != "none"
         if layout is not None:
             env = lmdb.open(str(path), map_size=0, readonly=True, max_dbs=_MAX_DBS)
             try:
                 blocks = _open_existing_db(env, BLOCKS_DB)
-                if blocks is not None:
-                    with env.begin(db=blocks) as txn:
-                        entries = int(txn.stat(blocks)["entries"])
+                entries = _entries(env, blocks)
+                if compressed and blocks is not None:
+                    # Lengths only: a value's overflow pages are not read for its size.
+                    with env.begin(db=blocks, buffers=True) as txn:
+                        value_bytes = sum(map(len, txn.cursor().iternext(keys=False)))
             finally:
                 env.close()
-        # Room for every record already there, so recovery keeps them all.
-        needed = entries * cls.slot_bytes(layout) if layout is not None else 0
+        # Room for every record already there, so recovery keeps them all: slots for
+        # each, and (compressing) a budget for their bytes.
+        needed = 0
+        if layout is not None:
+            full = cls.slot_bytes(layout)
+            records = -(-entries // PACKING) if compressed else entries
+            needed = max(records, -(-value_bytes // full)) * full
         return config.model_copy(
             update={"readonly": not write, "capacity": max(config.capacity, needed)}
         )
@@ -214,6 +249,84 @@ class LmdbBackend(Backend):
     def slot_bytes(cls, layout: KVLayout) -> int:
         """Payload plus the record header: the capacity counts headers."""
         return layout.bytes_per_block + HEADER_BYTES
+
+    def _compressed(self) -> bool:
+        return cast(LmdbTierConfig, self.config).compression != "none"
+
+    def slots_for(self, full_slots: int) -> int:
+        return full_slots * PACKING if self._compressed() else full_slots
+
+    def budget(self) -> tuple[int, int] | None:
+        """Compressing: the configured capacity in record bytes, each block charged
+        its record's length (header plus stored payload) once written."""
+        if not self._compressed():
+            return None
+        full = self.slot_bytes(self.layout)
+        return self.num_slots // PACKING * full, full
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_slots // self.slots_for(1) * self.slot_bytes(self.layout)
+
+    def released(self, slots: Sequence[int]) -> None:
+        """Budgeted: the freed slots' records no longer count, so they go. Called by the
+        slot allocator's ``free`` under the books' lock (and by a job once it read what
+        it demotes), so no I/O here: the slots are queued for the writer thread, which
+        deletes their records before anything else it does (a write into one of them
+        included) and forgets their keys. Without a budget nothing happens: the manager
+        may free a slot before the job's demotion read of it, and a write into the
+        reused slot deletes its record in the same transaction."""
+        if not slots or not self._compressed():
+            return
+        if self.readonly:  # the records are the writer's; no writer holds this lock
+            with self._maps_lock:
+                self._forget(slots)
+            return
+        with self._released_lock:
+            first = not self._released
+            self._released.extend(slots)
+        handles = self._handles
+        writer = None if handles is None or handles.pid != os.getpid() else handles.writer
+        if first and writer is not None and handles is not None:
+            # Not waited for; a write queued meanwhile deletes them in its transaction.
+            with contextlib.suppress(RuntimeError):  # closing: they stay queued
+                writer.submit(self._delete_released, handles)
+
+    def _take_released(self) -> list[int]:
+        with self._released_lock:
+            slots, self._released = self._released, []
+        return slots
+
+    def _requeue(self, slots: list[int]) -> None:
+        with self._released_lock:
+            self._released[:0] = slots
+
+    def _delete_released(self, handles: _Handles) -> None:
+        """On the writer thread: delete the queued released slots' records."""
+        with self._maps_lock:
+            slots = self._take_released()
+            keys = [k for k in (self._slot_key[s] for s in slots) if k is not None]
+            try:
+                if keys:
+                    _delete_keys(handles, keys)
+            except BaseException as exc:
+                self._requeue(slots)
+                logger.warning(
+                    "tier %s: could not delete %d evicted records (%s); the next write retries",
+                    self.name,
+                    len(keys),
+                    exc,
+                )
+                return
+            self._forget(slots)
+
+    def entries(self) -> int:
+        """Records in the blocks database; when writable, counted on the writer thread,
+        so after every write and deletion queued before the call."""
+        if self.readonly:
+            handles = self._open_handles()
+            return _entries(handles.env, self._blocks_db(handles))
+        return self._on_writer(lambda h: _entries(h.env, h.blocks))
 
     @classmethod
     def stored_layout(cls, config: LmdbTierConfig) -> KVLayout | None:
@@ -276,6 +389,7 @@ class LmdbBackend(Backend):
             self._open_lock = threading.Lock()
             self._maps_lock = threading.Lock()
             self._stats_lock = threading.Lock()
+            self._released_lock = threading.Lock()
             self._lock_pid = pid
 
     def _open(self, pid: int, after_fork: bool) -> _Handles:
@@ -389,33 +503,37 @@ class LmdbBackend(Backend):
             raise BackendError(f"tier {self.name!r}: LMDB write failed: {exc}") from exc
 
     # -- data ---------------------------------------------------------------------
-    def write(self, slots: Sequence[int], keys: Sequence[BlockKey], src: torch.Tensor) -> None:
+    def write(
+        self, slots: Sequence[int], keys: Sequence[BlockKey], src: torch.Tensor
+    ) -> list[int] | None:
+        """Budgeted (compressing), returns each block's charge: its record's length."""
         self.check_batch(slots, keys, src)
         if self.readonly:
             raise BackendError(
                 f"tier {self.name!r} is read-only (readonly: true): another process writes it"
             )
         if not slots:
-            return
+            return [] if self._compressed() else None
         key_list = key_bytes(self.name, keys)
         rows = (src if src.device.type == "cpu" else src.to("cpu")).numpy()
         slot_list = list(slots)
         try:
             try:
-                self._stream_write(slot_list, key_list, rows)
+                stored = self._stream_write(slot_list, key_list, rows)
             except lmdb.MapFullError:
                 # Pages are pinned by the oldest live reader; a reader process that died
                 # holding a transaction pins them for ever until its slot is cleared.
                 if not self._open_handles().env.reader_check():
                     raise
                 logger.warning("tier %s: cleared stale LMDB readers; retrying the store", self.name)
-                self._stream_write(slot_list, key_list, rows)
+                stored = self._stream_write(slot_list, key_list, rows)
         except (lmdb.Error, OSError) as exc:
             raise BackendError(f"tier {self.name!r}: LMDB write failed: {exc}") from exc
+        return [HEADER_BYTES + n for n in stored] if self._compressed() else None
 
     def _stream_write(
         self, slots: list[int], keys: list[bytes], rows: np.ndarray[Any, Any]
-    ) -> None:
+    ) -> list[int]:
         """One write transaction for the batch, fed in chunks while later ones are packed.
 
         Packing (copy behind the header, checksum) runs on the caller's thread and
@@ -425,7 +543,8 @@ class LmdbBackend(Backend):
         ``bytearray`` per block: page faults and zero-fill, then the copy) before the
         writer's 1.2-1.9 s began: 0.22 GB/s. Chunk buffers are reused across batches,
         so they fault in once. Durability is unchanged: one transaction per batch,
-        committed (with ``fsync``, synced) before ``write`` returns."""
+        committed (with ``fsync``, synced) before ``write`` returns. Returns each
+        block's stored payload bytes."""
         handles = self._open_handles()
         assert handles.writer is not None, "read-only tiers have no writer"
         n = len(keys)
@@ -479,6 +598,7 @@ class LmdbBackend(Backend):
         with self._maps_lock:
             self._stored[slots] = stored
         self.count_stored(n * self.layout.bytes_per_block, sum(stored))
+        return stored
 
     def io_counters(self) -> dict[str, int]:
         return self.stored_counters()
@@ -512,10 +632,18 @@ class LmdbBackend(Backend):
                 key_slot[key] = slot
 
         with self._maps_lock:
+            released = self._take_released()  # freed since, budgeted: their records go
             try:
                 # Each put may delete the record its slot held.
-                _reserve(handles, puts=count, deletes=count, value_bytes=value_bytes)
+                deletes = count + len(released)
+                _reserve(handles, puts=count, deletes=deletes, value_bytes=value_bytes)
                 with handles.env.begin(db=handles.blocks, write=True) as txn:
+                    for slot in released:
+                        old = slot_key[slot]
+                        if old is not None:
+                            txn.delete(old)
+                            set_key(old, None)
+                            set_slot(slot, None)
                     for slot, key, value in items:
                         old = slot_key[slot]
                         if old is not None and old != key:
@@ -531,6 +659,7 @@ class LmdbBackend(Backend):
                         set_slot(slot, key)
                         set_key(key, slot)
             except BaseException:
+                self._requeue(released)
                 for slot, old_key in saved_slots.items():
                     slot_key[slot] = old_key
                 for key, old_slot in saved_keys.items():
@@ -653,9 +782,10 @@ class LmdbBackend(Backend):
     # -- persistence --------------------------------------------------------------
     def recover(self) -> list[RecoveredBlock]:
         """Adopt the intact records of this layout, newest ones first if they no longer
-        all fit. Headers are checked here; payload checksums only when a block is
-        loaded, as reading every payload would make start-up as slow as a full scan
-        of the tier. Records that can never be served are deleted (unless read-only)."""
+        all fit (in the slots and, compressing, in the budget by record length).
+        Headers are checked here; payload checksums only when a block is loaded, as
+        reading every payload would make start-up as slow as a full scan of the tier.
+        Records that can never be served are deleted (unless read-only)."""
         if self._key_slot or self.num_free != self.num_slots:
             raise BlockStateError(
                 f"tier {self.name!r}: recover() must run once, before any slot is used"
@@ -700,7 +830,12 @@ class LmdbBackend(Backend):
                 foreign.append(key)
         self._seq = itertools.count(max_seq + 1)
         found.sort(reverse=True)  # newest first
-        keep, surplus = found[: self.num_slots], found[self.num_slots :]
+        fits = self.num_slots
+        budget = self.budget()
+        if budget is not None:  # and the newest whose records' bytes fit the budget
+            total = np.cumsum([HEADER_BYTES + f[3] for f in found[:fits]], dtype=np.int64)
+            fits = int(np.searchsorted(total, budget[0], side="right"))
+        keep, surplus = found[:fits], found[fits:]
         keep.reverse()  # oldest first, the order restore() wants
         with self._maps_lock:
             for slot, (_, _, key, size) in enumerate(keep):
@@ -724,9 +859,10 @@ class LmdbBackend(Backend):
             )
         else:
             logger.info("tier %s: recovered %d blocks", self.name, len(keep))
+        charged = budget is not None
         return [
-            RecoveredBlock(BlockKey(key), slot, atime)
-            for slot, (atime, _, key, _) in enumerate(keep)
+            RecoveredBlock(BlockKey(key), slot, atime, HEADER_BYTES + size if charged else 0)
+            for slot, (atime, _, key, size) in enumerate(keep)
         ]
 
     def discard(self, slots: Sequence[int]) -> None:
@@ -744,7 +880,8 @@ class LmdbBackend(Backend):
     def _delete_slots(self, handles: _Handles, slots: list[int]) -> None:
         with self._maps_lock:
             keys = [k for k in (self._slot_key[s] for s in slots) if k is not None]
-            _delete_keys(handles, keys)
+            if keys:  # a budgeted tier's released slots may have gone already
+                _delete_keys(handles, keys)
             self._forget(slots)  # only once the deletion committed
 
     def _forget(self, slots: Sequence[int]) -> None:
@@ -850,6 +987,13 @@ def _next_free(
         except queue.Empty:
             if writer.done():
                 return None
+
+
+def _entries(env: lmdb.Environment, blocks: lmdb._Database | None) -> int:
+    if blocks is None:
+        return 0
+    with env.begin(db=blocks) as txn:
+        return int(txn.stat(blocks)["entries"])
 
 
 def _delete_keys(handles: _Handles, keys: Sequence[bytes]) -> None:

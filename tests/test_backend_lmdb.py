@@ -21,8 +21,9 @@ from typing import Any
 import lmdb
 import pytest
 import torch
-from kvoffload.backends.lmdb import BLOCKS_DB, LmdbBackend
+from kvoffload.backends.lmdb import BLOCKS_DB, PACKING, LmdbBackend
 
+from kvoffload.backend import Backend
 from kvoffload.config import LmdbTierConfig, load_config
 from kvoffload.exceptions import BackendError, BlockStateError
 from kvoffload.keys import BlockKey, namespaced
@@ -42,11 +43,25 @@ class TestLmdbContract(BackendContract):
 
 
 class TestLmdbContractCompressed(BackendContract):
+    """A compressing tier keeps PACKING slots per full-size block its capacity holds
+    (its manager budgets bytes), so the factory asks for a quarter of the slots."""
+
     @pytest.fixture
     def backend_factory(self, tmp_path: Path) -> BackendFactory:
-        return lambda layout, num_slots: make_backend(
-            "lmdb", layout, num_slots, tmp_path, compression="zstd"
-        )
+        def build(layout: KVLayout, num_slots: int) -> Backend:
+            assert num_slots % PACKING == 0, "the contract asks for multiples of 4 slots"
+            full = num_slots // PACKING
+            return make_backend("lmdb", layout, full, tmp_path, compression="zstd")
+
+        return build
+
+    def test_capacity_is_what_was_asked(self, backend: Backend, layout: KVLayout) -> None:
+        """The contract's version wants ``capacity_bytes`` to cover every slot at full
+        size; here it is the configured capacity (2 full-size records), which the
+        manager's byte budget spends on up to 8 smaller ones."""
+        assert backend.num_slots == backend.num_free == 8
+        assert backend.capacity_bytes == 2 * LmdbBackend.slot_bytes(layout)
+        assert backend.budget() == (backend.capacity_bytes, LmdbBackend.slot_bytes(layout))
 
 
 # -- helpers ----------------------------------------------------------------------
