@@ -19,10 +19,13 @@ and the stress report's ``TierReport`` (plus rates and percentiles).
 
 Almost every tier metric is a counter: it only goes up, and counts since the Offloader
 started. The connector relies on that: it reports deltas, and vLLM aggregates workers
-and intervals by addition. One is a gauge (``kind="gauge"``: ``breaker_open``), a state
-now; its deltas go the same way (a drop is a negative delta), and they telescope: the
-sum of an engine's deltas is its value now, summed over the workers that report it (a
-tensor-parallel engine: how many ranks have the tier's breaker open).
+and intervals by addition. A few are gauges (``kind="gauge"``: ``breaker_open``, and
+what the tier holds, ``blocks_held`` and ``capacity_bytes``), a state now; their deltas
+go the same way (a drop is a negative delta), and they telescope: the sum of an
+engine's deltas is its value now, summed over the workers that report it (a
+tensor-parallel engine: how many ranks have the tier's breaker open, the blocks and
+bytes of all its ranks' tiers). A ratio does not add up so: blocks per GiB of capacity
+(:func:`blocks_per_gib`) is derived from the sums where they are (:data:`TIER_DERIVED`).
 
 Latency is a distribution, not one number: the books keep each tier's recent samples
 (for the stress report's percentiles) in :class:`LatencySamples`, which also keep a
@@ -57,10 +60,12 @@ is a gauge's value (0 or 1 per tier and worker)."""
 Kind = Literal["counter", "gauge"]
 """A counter only goes up; a gauge is a state now (see the module docstring)."""
 
-Source = Literal["books", "backend"]
-"""Who counts a counter: the Offloader's books (as they plan and settle jobs), or the
+Source = Literal["books", "backend", "tier"]
+"""Who counts a counter: the Offloader's books (as they plan and settle jobs), the
 tier's backend itself (what only the medium sees: requests on the wire, a server's
-failures), read through ``Backend.io_counters`` whenever the stats are read."""
+failures), read through ``Backend.io_counters`` whenever the stats are read, or the
+tier as it is now (``tier``: the gauges of what it holds, :data:`TIER_STATE`), read
+from its manager and backend by whoever reports it (:func:`tier_state`)."""
 
 _METRIC: Final = "kvoffload.metric"
 """The key of a counter field's :class:`Metric` in its dataclass metadata."""
@@ -101,9 +106,11 @@ def _count(
     return field(default=0, metadata={_METRIC: Metric("", help, unit, column, source)})
 
 
-def _gauge(help: str) -> int:
+def _gauge(
+    help: str, *, unit: Literal["blocks", "bytes", "state"] = "state", source: Source = "books"
+) -> int:
     """A gauge field: a state now, 0 at start (see the module docstring)."""
-    return field(default=0, metadata={_METRIC: Metric("", help, "state", None, kind="gauge")})
+    return field(default=0, metadata={_METRIC: Metric("", help, unit, None, source, kind="gauge")})
 
 
 def _seconds(help: str, *, column: str | None = None) -> float:
@@ -193,6 +200,18 @@ class TierCounters:
         "Whether this tier's circuit breaker is open: 1 from its trip until a read or write "
         "of it succeeds again (bypassed, then probed), else 0; summed over reporting workers."
     )
+    blocks_held: int = _gauge(
+        "Blocks this tier holds now (0 for a shared server's tier, whose server keeps the "
+        "count); summed over reporting workers.",
+        unit="blocks",
+        source="tier",
+    )
+    capacity_bytes: int = _gauge(
+        "Bytes of full-size blocks this tier's capacity holds (0 for a shared server's "
+        "tier): with blocks_held, its blocks per GiB; summed over reporting workers.",
+        unit="bytes",
+        source="tier",
+    )
     round_trips: int = _count(
         "Requests sent to the tier's server (pipelined batches, retries and handshakes "
         "included); 0 for local tiers.",
@@ -230,6 +249,53 @@ BACKEND_METRICS: Final[frozenset[str]] = frozenset(
 )
 """The counters a tier's backend counts itself (``Backend.io_counters``); the
 Offloader copies them into the tier's stats when they are read."""
+
+TIER_STATE: Final[frozenset[str]] = frozenset(m.name for m in TIER_METRICS if m.source == "tier")
+"""The gauges of what a tier holds now (``blocks_held``, ``capacity_bytes``), read from
+its manager and backend by :func:`tier_state` when the tier is reported."""
+
+GIB: Final = 2**30
+
+
+def tier_state(blocks_held: int | None, capacity_bytes: int) -> dict[str, int]:
+    """The :data:`TIER_STATE` gauges of a tier whose books hold ``blocks_held`` blocks
+    (``None``: a shared server's tier, whose server keeps the count: both 0, so that
+    summing workers and taking :func:`blocks_per_gib` never mixes in a guess)."""
+    if blocks_held is None:
+        return {"blocks_held": 0, "capacity_bytes": 0}
+    return {"blocks_held": blocks_held, "capacity_bytes": capacity_bytes}
+
+
+def blocks_per_gib(blocks_held: int, capacity_bytes: int) -> float | None:
+    """Blocks held per GiB of capacity: what compression buys a tier. ``capacity_bytes``
+    is what full-size blocks would take (a packed tier's ``capacity_bytes``, not its
+    slots), so an uncompressed tier full of blocks reads ``2**30 / slot bytes`` and a
+    compressed one more, by its compression. ``None`` without a capacity (a shared
+    server's tier). A ratio of the summed gauges, never a sum of ratios: workers'
+    tiers add up as blocks and bytes."""
+    return blocks_held / (capacity_bytes / GIB) if capacity_bytes > 0 else None
+
+
+@dataclass(frozen=True, slots=True)
+class Derived:
+    """A per-tier gauge the Prometheus exposition derives from the tier metrics (a
+    ratio does not add up over workers or intervals as deltas do, so it is computed
+    where the sums are, labelled with the tier's ``codec``)."""
+
+    name: str
+    """Its Prometheus name after ``..._tier_``."""
+    help: str
+
+
+TIER_DERIVED: Final[tuple[Derived, ...]] = (
+    Derived(
+        "blocks_per_gib",
+        "Blocks this tier holds per GiB of its capacity (blocks_held over capacity_bytes, "
+        "summed over the engine's workers), labelled with the tier's codec: compression "
+        "raises it above an uncompressed tier's.",
+    ),
+)
+"""Every derived per-tier gauge."""
 
 TIER_IDENTITY: Final[tuple[str, ...]] = tuple(
     f.name for f in fields(TierCounters) if f.name not in TIER_METRIC

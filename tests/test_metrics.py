@@ -29,6 +29,7 @@ from support.checkout import REPO
 
 from kvoffload import books, offloader
 from kvoffload.metrics import (
+    TIER_DERIVED,
     TIER_HISTOGRAMS,
     TIER_IDENTITY,
     TIER_METRIC,
@@ -39,7 +40,11 @@ from kvoffload.metrics import (
 )
 
 HAS_VLLM: Final = importlib.util.find_spec("vllm") is not None
-TIER_SERIES_NAMES: Final = (*TIER_METRIC, *(h.name for h in TIER_HISTOGRAMS))
+TIER_SERIES_NAMES: Final = (
+    *TIER_METRIC,
+    *(h.name for h in TIER_HISTOGRAMS),
+    *(d.name for d in TIER_DERIVED),
+)
 """Every per-tier Prometheus metric after ``vllm:kvoffload_tier_``."""
 
 
@@ -117,7 +122,7 @@ def test_stress_report_and_its_json_carry_every_counter() -> None:
     derived = {"write_gbps", "read_gbps", "store_p50_ms", "store_p99_ms"}
     derived |= {"load_p50_ms", "load_p99_ms"}
     derived |= {"compression", "compression_ratio", "held_logical_bytes", "held_stored_bytes"}
-    derived |= {"compress_gbps", "decompress_gbps"}
+    derived |= {"compress_gbps", "decompress_gbps", "blocks_per_gib"}
     assert set(entry) == {*TIER_IDENTITY, *TIER_METRIC, *derived}
 
 
@@ -164,6 +169,7 @@ def test_connector_stats_and_prometheus_carry_every_counter() -> None:
         offloader=SimpleNamespace(
             counters=lambda: ({stats.name: tier_values(stats)}, PrefetchStats()),
             stats=[stats],
+            tiers=[],  # no tier to read what it holds: the stats' values stand
         ),
     )
     snapshot = _snapshot(shared)  # type: ignore[arg-type]

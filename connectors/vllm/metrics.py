@@ -26,14 +26,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from kvoffload.exceptions import ConfigError
+from kvoffload.lru_manager import LRUOffloadingManager
 from kvoffload.metrics import (
     LATENCY_BUCKETS,
+    TIER_DERIVED,
     TIER_HISTOGRAMS,
     TIER_METRIC,
     TIER_METRICS,
+    TIER_STATE,
+    blocks_per_gib,
     bucket_value,
     histogram_values,
+    tier_state,
 )
+from kvoffload.registry import get_backend_class
 
 from .config import config_from_vllm
 from .hitpath import HIT_COUNTERS
@@ -48,8 +54,9 @@ logger = logging.getLogger(__name__)
 TIER_STATS: Final[dict[str, str]] = {m.name: m.help for m in TIER_METRICS}
 """Per-tier counters (name: Prometheus help text): every counter of the tier metric
 schema (:data:`kvoffload.metrics.TIER_METRICS`), read from the Offloader's
-``TierStats``. The ``seconds`` ones are floats, the others ints; ``breaker_open`` is
-a gauge."""
+``TierStats`` (those of :data:`~kvoffload.metrics.TIER_STATE` from the tier itself).
+The ``seconds`` ones are floats, the others ints; ``breaker_open``, ``blocks_held``
+and ``capacity_bytes`` are gauges."""
 
 _BUCKET_KEY: Final = re.compile(rf"({'|'.join(h.name for h in TIER_HISTOGRAMS)})_([ns])(\d+)")
 """A latency histogram's bucket key after ``tier.<name>.``: ``<histogram>_n<i>`` (the
@@ -179,6 +186,12 @@ def _snapshot(shared: _Counted) -> dict[str, int | float]:
     for tier, values in tiers.items():
         for name, value in values.items():
             counts[f"tier.{tier}.{name}"] = value
+    for t in shared.offloader.tiers:  # what each tier holds now (TIER_STATE)
+        # One len() of the books' map: atomic under the GIL, so no lock is needed for
+        # a gauge that is stale by the next store anyway.
+        held = len(t.manager) if isinstance(t.manager, LRUOffloadingManager) else None
+        for name, value in tier_state(held, t.backend.capacity_bytes).items():
+            counts[f"tier.{t.name}.{name}"] = value
     for stats in shared.offloader.stats:  # each histogram is read whole: see LatencySamples
         for h in TIER_HISTOGRAMS:
             for name, value in histogram_values(h.name, getattr(stats, h.samples)).items():
@@ -190,8 +203,17 @@ class TieredOffloadPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]  #
     """Prometheus metrics for :class:`TieredOffloadStats`, built by vLLM's metrics
     process: ``vllm:kvoffload_<counter>`` per engine for :data:`COUNTERS`,
     ``vllm:kvoffload_tier_<counter>`` per engine and ``tier`` for :data:`TIER_STATS`
-    (counters, and the ``breaker_open`` gauge), and the latency histograms
-    ``vllm:kvoffload_tier_<histogram>`` (:data:`~kvoffload.metrics.TIER_HISTOGRAMS`).
+    (counters, and the gauges ``breaker_open``, ``blocks_held`` and
+    ``capacity_bytes``), the latency histograms ``vllm:kvoffload_tier_<histogram>``
+    (:data:`~kvoffload.metrics.TIER_HISTOGRAMS`), and the derived gauges
+    (:data:`~kvoffload.metrics.TIER_DERIVED`: ``blocks_per_gib``) per engine, ``tier``
+    and ``codec``.
+
+    Why the codec is a label of the derived gauge only: the stats carry numbers, so
+    the codec is the tier's ``compression`` in the config this process reads, and a
+    label on the summed series would split a tier's deltas across label sets if it
+    changed. The derived gauge is set whole each time, so it can carry it: a dashboard
+    tells ``zstd`` from ``none`` tiers by one query, without a join.
 
     The stats are deltas, so ``observe`` adds each to its counter (or gauge: a negative
     delta lowers it). A histogram's deltas come per bucket, a count and its seconds;
@@ -241,13 +263,30 @@ class TieredOffloadPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]  #
             )
             for h in TIER_HISTOGRAMS
         }
+        # A ratio, set (not moved by deltas) from the sums this process keeps: the
+        # most recent value is the one, whichever process wrote it.
+        self._derived = {
+            d.name: self._gauge_cls(
+                name=f"{TIER_PROM_PREFIX}{d.name}",
+                documentation=d.help,
+                labelnames=[*tier_labels, "codec"],
+                multiprocess_mode="mostrecent",
+            )
+            for d in TIER_DERIVED
+        }
         self._children: dict[tuple[int, str, str | None], Any] = {}
-        tiers = _configured_tiers(vllm_config)
+        self._state: dict[tuple[int, str], dict[str, float]] = {}
+        """Per (engine, tier): the :data:`~kvoffload.metrics.TIER_STATE` gauges' sums
+        of deltas so far, i.e. their values now (what the derived gauges divide)."""
+        tiers, self._codecs = _configured_tiers(vllm_config)
         for engine_idx in per_engine_labelvalues:
             for name in ENGINE_COUNTERS:
                 self._child(engine_idx, name, None)
             for tier in tiers:
                 for name in self._tier_metrics:
+                    self._child(engine_idx, name, tier)
+            for tier in self._codecs:
+                for name in self._derived:
                     self._child(engine_idx, name, tier)
 
     def _child(self, engine_idx: int, name: str, tier: str | None) -> Any:
@@ -258,6 +297,11 @@ class TieredOffloadPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]  #
             values = list(self.per_engine_labelvalues[engine_idx])
             if tier is None:
                 child = self._engine_counters[name].labels(*values)
+            elif name in self._derived:
+                # A tier the config does not name (it changed under a running worker):
+                # its codec is not known here.
+                codec = self._codecs.get(tier, "unknown")
+                child = self._derived[name].labels(*values, tier, codec)
             else:
                 child = self._tier_metrics[name].labels(*values, tier)
             self._children[key] = child
@@ -266,6 +310,7 @@ class TieredOffloadPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]  #
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         # (tier, histogram, bucket) -> [samples, seconds], observed once both are in.
         buckets: dict[tuple[str, str, int], list[float]] = {}
+        moved: set[str] = set()  # tiers whose TIER_STATE gauges moved
         for key, value in transfer_stats_data.items():
             if not isinstance(value, int | float) or value == 0:
                 continue
@@ -275,11 +320,17 @@ class TieredOffloadPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]  #
                     continue
                 if name in TIER_STATS and (value > 0 or TIER_METRIC[name].kind == "gauge"):
                     self._child(engine_idx, name, tier).inc(value)  # a counter only goes up
+                    if name in TIER_STATE:
+                        state = self._state.setdefault((engine_idx, tier), {})
+                        state[name] = state.get(name, 0) + value
+                        moved.add(tier)
                 elif match := _BUCKET_KEY.fullmatch(name):
                     pair = buckets.setdefault((tier, match[1], int(match[3])), [0, 0.0])
                     pair[match[2] == "s"] += value
             elif key in ENGINE_COUNTERS and value > 0:
                 self._child(engine_idx, key, None).inc(value)
+        for tier in moved:
+            self._set_derived(engine_idx, tier)
         for (tier, name, i), (count, seconds) in buckets.items():
             if count > 0 and i <= len(LATENCY_BUCKETS):
                 child = self._child(engine_idx, name, tier)
@@ -287,16 +338,36 @@ class TieredOffloadPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]  #
                 for _ in range(int(count)):
                     child.observe(value)
 
+    def _set_derived(self, engine_idx: int, tier: str) -> None:
+        """Set a tier's derived gauges from its summed state (blocks per GiB: the
+        engine's workers' blocks over their capacity, never a sum of ratios); left as
+        they are while no capacity is known (a shared server's tier)."""
+        state = self._state.get((engine_idx, tier), {})
+        per_gib = blocks_per_gib(
+            int(state.get("blocks_held", 0)), int(state.get("capacity_bytes", 0))
+        )
+        if per_gib is not None:
+            self._child(engine_idx, "blocks_per_gib", tier).set(per_gib)
 
-def _configured_tiers(vllm_config: VllmConfig) -> list[str]:
-    """The tier names of the kvoffload config vLLM was given; none if it cannot be read
-    here (the engine reports the error; metrics then create tiers as they appear)."""
+
+def _configured_tiers(vllm_config: VllmConfig) -> tuple[list[str], dict[str, str]]:
+    """The tier names of the kvoffload config vLLM was given, and the codec (its
+    ``compression`` setting, ``none`` for a backend without one) of each tier with a
+    capacity of its own (not a shared server's: the engine knows no blocks per GiB of
+    it); none if the config cannot be read here (the engine reports the error; metrics
+    then create tiers as they appear, their codec ``unknown``)."""
     transfer = vllm_config.kv_transfer_config
     if transfer is None:
-        return []
+        return [], {}
     try:
         config = config_from_vllm(dict(transfer.kv_connector_extra_config or {}))
+        tiers = config.resolved_tiers()
+        codecs = {
+            t.name: str(getattr(t, "compression", "none"))
+            for t in tiers
+            if not get_backend_class(t.backend).server_booked
+        }
     except ConfigError as exc:
         logger.warning("kvoffload metrics: tiers not known up front: %s", exc)
-        return []
-    return [t.name for t in config.tiers]
+        return [], {}
+    return [t.name for t in tiers], codecs

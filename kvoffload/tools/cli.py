@@ -454,6 +454,28 @@ def _stress_replicas(
     return EXIT_FAILED if report.integrity_errors else EXIT_OK
 
 
+def _fill(info: dict[str, Any]) -> str:
+    """How full an inspected tier is: of its byte budget where it has one (a packed
+    slab: blocks take what they compressed to), else of its slots."""
+    if "budget_bytes" in info:
+        return (
+            f"{info['used']:.1%} of its {info['budget_bytes']} byte budget "
+            f"({info['bytes_held']} bytes held)"
+        )
+    return f"{info['used']:.1%} of {info['slots']} slots"
+
+
+def _per_gib(info: dict[str, Any]) -> str:
+    """An inspected tier's blocks per GiB of capacity, with what its capacity holds
+    of full-size blocks (the number compression is measured against)."""
+    per_gib = info["blocks_per_gib"]
+    held = "-" if per_gib is None else f"{per_gib:.1f}"
+    return (
+        f"{held} blocks per GiB of {info['capacity_bytes']} bytes "
+        f"({info['capacity_blocks']} full-size blocks, codec {info['compression']})"
+    )
+
+
 def _maintenance(args: argparse.Namespace) -> int:
     from kvoffload.tools import maintenance
 
@@ -477,10 +499,8 @@ def _maintenance(args: argparse.Namespace) -> int:
                     f"({info['maxmemory_policy']}), {info['evicted_keys']} keys evicted"
                 )
             elif info.get("persistent"):
-                extra = (
-                    f" {info['bytes']} bytes, {info['used']:.1%} of {info['capacity_blocks']}"
-                    f" slots, oldest {_when(info['oldest'])}, newest {_when(info['newest'])}"
-                )
+                extra = f" {info['bytes']} bytes, {_fill(info)}, {_per_gib(info)}"
+                extra += f", oldest {_when(info['oldest'])}, newest {_when(info['newest'])}"
                 ratio = info.get("compression_ratio")
                 if info.get("compression", "none") != "none" or (ratio is not None and ratio < 1):
                     extra += (
@@ -826,6 +846,8 @@ def _print_report(console: Console, report: StressReport) -> None:
         "backend",
         "policy",
         "capacity",
+        "held",
+        "blk/GiB",
         *columns.values(),
         "write GB/s",
         "read GB/s",
@@ -840,6 +862,8 @@ def _print_report(console: Console, report: StressReport) -> None:
             t.backend,
             t.write_policy,
             f"{t.capacity_blocks} blk",
+            f"{t.blocks_held} blk",
+            "-" if t.blocks_per_gib is None else f"{t.blocks_per_gib:.1f}",
             *(_count(getattr(t, name)) for name in columns),
             f"{t.write_gbps:.2f}",
             f"{t.read_gbps:.2f}",

@@ -30,14 +30,15 @@ from typing import Any, Final, Protocol, runtime_checkable
 
 import torch
 
-from kvoffload.backend import Backend
+from kvoffload.backend import Backend, RecoveredBlock
 from kvoffload.blockpool import byte_view
 from kvoffload.config import KVOffloadConfig, TierConfig, layout_from_config
 from kvoffload.exceptions import ConfigError, LayoutMismatchError
 from kvoffload.keys import MAX_KEY_BYTES, BlockKey
 from kvoffload.layout import KVLayout
-from kvoffload.lru_manager import LRUOffloadingManager
+from kvoffload.metrics import blocks_per_gib
 from kvoffload.registry import get_backend_class
+from kvoffload.tier import adopt_recovered, local_manager
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +126,8 @@ def _batches(n: int, layout: KVLayout) -> Iterator[slice]:
 
 # ------------------------------------------------------------------------- inspect
 def inspect_tiers(config: KVOffloadConfig) -> dict[str, dict[str, Any]]:
-    """Per tier: blocks, bytes, oldest/newest access time, capacity used, layout."""
+    """Per tier: blocks, bytes, oldest/newest access time, capacity used, blocks per GiB
+    of capacity, codec, layout."""
     report: dict[str, dict[str, Any]] = {}
     for tier in config.resolved_tiers():
         cls = get_backend_class(tier.backend)
@@ -154,9 +156,7 @@ def inspect_tiers(config: KVOffloadConfig) -> dict[str, dict[str, Any]]:
                 "missing": False,
                 "blocks": len(blocks),
                 "bytes": len(blocks) * layout.bytes_per_block,
-                "capacity_blocks": backend.num_slots,
-                "capacity_bytes": backend.capacity_bytes,
-                "used": len(blocks) / backend.num_slots,
+                **_capacity(backend, blocks),
                 # What compression saves: payload bytes as they sit in the tier over
                 # the same blocks' bytes as the engine gave them (records written
                 # under any codec count, whatever the setting is now).
@@ -170,6 +170,31 @@ def inspect_tiers(config: KVOffloadConfig) -> dict[str, dict[str, Any]]:
                 "fingerprint": layout.fingerprint.hex(),
             }
     return report
+
+
+def _capacity(backend: Backend, blocks: Sequence[RecoveredBlock]) -> dict[str, Any]:
+    """How full a tier is, and how many blocks its capacity holds per GiB.
+
+    ``capacity_blocks`` is the full-size blocks the capacity holds, whatever the slots
+    (a packed slab keeps more slots than that, for blocks compressed smaller). A tier
+    with a byte budget (:meth:`~kvoffload.backend.Backend.budget`) is as full as its
+    blocks' charges (what each takes there, 0 recorded for a full one) over the budget;
+    the others, as their blocks over their slots."""
+    capacity_bytes = backend.capacity_bytes
+    out: dict[str, Any] = {
+        "capacity_blocks": capacity_bytes // type(backend).slot_bytes(backend.layout),
+        "capacity_bytes": capacity_bytes,
+        "slots": backend.num_slots,
+        "blocks_per_gib": blocks_per_gib(len(blocks), capacity_bytes),
+    }
+    budget = backend.budget()
+    if budget is None:
+        out["used"] = len(blocks) / backend.num_slots
+        return out
+    budget_bytes, full_charge = budget
+    held = sum(b.charge or full_charge for b in blocks)
+    out |= {"budget_bytes": budget_bytes, "bytes_held": held, "used": held / budget_bytes}
+    return out
 
 
 def _inspect_server(tier: TierConfig, layout: KVLayout) -> dict[str, Any]:
@@ -440,11 +465,14 @@ def import_snapshot(
         imported: set[BlockKey] = set()
         backend = cls(target, layout)
         try:
-            manager = LRUOffloadingManager(backend.slots, config.eviction, name=tier.name)
-            manager.restore((b.key, b.slot) for b in backend.recover())
+            manager = local_manager(backend, config.eviction)
+            adopt_recovered(manager, backend)
             # Batches never larger than the tier, so an oversized snapshot still fills
             # it; blocks come oldest access first, so the most recent ones stay.
             step = min(max(1, BATCH_BYTES // layout.bytes_per_block), backend.num_slots)
+            budget = backend.budget()
+            if budget is not None:  # a packed tier admits a batch at full size
+                step = max(1, min(step, budget[0] // budget[1] // 2))
             for start in range(0, len(keys), step):
                 part = slice(start, min(len(keys), start + step))
                 batch_keys = keys[part]
@@ -461,9 +489,16 @@ def import_snapshot(
                 rows = blocks[part.start : part.stop]
                 row_of = {k: i for i, k in enumerate(batch_keys)}
                 src_rows = rows[torch.tensor([row_of[k] for k in plan.keys_to_store])]
-                backend.write(plan.slots, plan.keys_to_store, src_rows.contiguous())
-                manager.complete_store(plan.keys_to_store)
-                imported.update(plan.keys_to_store)
+                sizes = backend.write(plan.slots, plan.keys_to_store, src_rows.contiguous())
+                stored = plan.keys_to_store
+                if sizes is not None:  # a packed tier: blocks it found no room for drop
+                    lost = [k for k, size in zip(stored, sizes, strict=True) if not size]
+                    manager.complete_store(lost, success=False)
+                    counts["rejected"] += len(lost)
+                    stored = [k for k, size in zip(stored, sizes, strict=True) if size]
+                    manager.charge(stored, [size for size in sizes if size])
+                manager.complete_store(stored)
+                imported.update(stored)
         finally:
             backend.close()
         counts["imported"] = len(imported)

@@ -42,7 +42,9 @@ from kvoffload.exceptions import BlockStateError, ConfigError, KVOffloadError
 from kvoffload.hostcopy import pooled_bytes
 from kvoffload.keys import BlockKey
 from kvoffload.layout import KVLayout, dtype_from_name
-from kvoffload.metrics import TierCounters, tier_fields
+from kvoffload.lru_manager import LRUOffloadingManager
+from kvoffload.manager import OffloadingManager
+from kvoffload.metrics import TierCounters, blocks_per_gib, tier_fields, tier_state
 from kvoffload.offloader import LoadPlan, Offloader, TierStats
 from kvoffload.tools.workloads import ReplicaShare, Workload, make_workload
 from kvoffload.transfer import JobResult
@@ -158,6 +160,12 @@ SAMPLE_EVERY_S: Final = 0.25
 """Interval of the timeline samples (``--json`` ``timeline``, ``--plot``)."""
 
 
+def _held(manager: OffloadingManager) -> int | None:
+    """Blocks a tier's books hold (read once the run is drained: nothing changes them
+    then); ``None`` for a shared server's tier, whose server keeps the count."""
+    return len(manager) if isinstance(manager, LRUOffloadingManager) else None
+
+
 def percentile_ms(samples: Sequence[float], q: float) -> float | None:
     """The ``q``-th percentile (0-100) of ``samples`` seconds, in milliseconds."""
     if not samples:
@@ -196,21 +204,39 @@ class TierReport(TierCounters):
     compress_gbps: float | None = None
     decompress_gbps: float | None = None
     """The codec's speed per thread: logical bytes over the seconds it spent."""
+    blocks_per_gib: float | None = None
+    """``blocks_held`` at the end per GiB of ``capacity_bytes`` (``None``: no capacity
+    known, a shared server's tier): more than an uncompressed tier's where compression
+    packs blocks into less than their full size."""
 
     @classmethod
-    def from_stats(cls, s: TierStats, seconds: float, backend: Backend | None = None) -> TierReport:
+    def from_stats(
+        cls,
+        s: TierStats,
+        seconds: float,
+        backend: Backend | None = None,
+        blocks_held: int | None = None,
+    ) -> TierReport:
         """The report of a tier's counters over a run of ``seconds``, with what its
-        ``backend`` says of its compression and footprint."""
+        ``backend`` says of its compression, footprint and capacity, and the
+        ``blocks_held`` by its books at the end (``None``: a shared server's tier)."""
         codec = None if backend is None else backend.codec_stats()
         held = None if backend is None else backend.footprint()
+        counters = tier_fields(s)
+        if backend is not None:  # what the tier holds now, read from it (TIER_STATE)
+            counters |= tier_state(blocks_held, backend.capacity_bytes)
+            # Full-size blocks, as inspect counts them: a packed slab has more slots.
+            slot = type(backend).slot_bytes(backend.layout)
+            counters["capacity_blocks"] = backend.capacity_bytes // slot
         return cls(
+            blocks_per_gib=blocks_per_gib(counters["blocks_held"], counters["capacity_bytes"]),
             compression="none" if codec is None else codec.codec,
             compression_ratio=s.stored_bytes / s.logical_bytes if s.logical_bytes else None,
             held_logical_bytes=None if held is None else held[0],
             held_stored_bytes=None if held is None else held[1],
             compress_gbps=None if codec is None else codec.compress_gbps,
             decompress_gbps=None if codec is None else codec.decompress_gbps,
-            **tier_fields(s),
+            **counters,
             write_gbps=s.bytes_written / seconds / 1e9 if seconds else 0.0,
             read_gbps=s.bytes_read / seconds / 1e9 if seconds else 0.0,
             store_p50_ms=percentile_ms(s.store_latency_s, 50),
@@ -424,7 +450,7 @@ class StressRunner:
         if problems:
             raise BlockStateError(f"tiers inconsistent after stress: {problems}")
         rep.tiers = [
-            TierReport.from_stats(s, rep.duration_s, tier.backend)
+            TierReport.from_stats(s, rep.duration_s, tier.backend, _held(tier.manager))
             for s, tier in zip(off.stats, off.tiers, strict=True)
         ]
         rep.submit_p50_ms = percentile_ms(self._submit_s.values, 50)
@@ -612,9 +638,10 @@ class ReplicaSetReport:
         return self.blocks_loaded / asked if asked else 0.0
 
     def tier_totals(self) -> list[dict[str, Any]]:
-        """Per tier: its identity (replica 0's), ``shared``, and every counter summed
-        over the replicas (each replica counts its own traffic, so for a shared tier
-        the sum is the traffic the server saw from all of them)."""
+        """Per tier: its identity (replica 0's), ``shared``, every counter summed over
+        the replicas (each replica counts its own traffic, so for a shared tier the sum
+        is the traffic the server saw from all of them), and ``blocks_per_gib`` of the
+        summed blocks and capacity."""
         from kvoffload.metrics import TIER_IDENTITY, TIER_METRICS
 
         out = []
@@ -623,6 +650,8 @@ class ReplicaSetReport:
             row["shared"] = first.name in self.shared
             for m in TIER_METRICS:
                 row[m.name] = sum(getattr(r.tiers[i], m.name) for r in self.reports)
+            # Of the sums: each replica's own tier adds its blocks and its capacity.
+            row["blocks_per_gib"] = blocks_per_gib(row["blocks_held"], row["capacity_bytes"])
             out.append(row)
         return out
 

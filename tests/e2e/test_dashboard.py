@@ -228,8 +228,8 @@ def test_every_panel_of_the_dashboard_returns_data(tmp_path: Path, server: Any) 
     assert sorted(tiers) == ["cpu", "disk"]
     assert models == ["smollm2"]
     panels = {t.panel for t in targets}
-    assert len(panels) == 14, sorted(panels)
-    assert len(targets) == 30, targets
+    assert len(panels) == 15, sorted(panels)
+    assert len(targets) == 31, targets
     empty = [f"{t.panel} [{t.ref}]: {t.expr}" for t, r in results.items() if not _finite(r)]
     assert not empty, "queries with no finite value:\n" + "\n".join(empty) + f"\n{report}"
     # Per tier where each tier has traffic: both tiers' hits, the disk's compression.
@@ -240,3 +240,10 @@ def test_every_panel_of_the_dashboard_returns_data(tmp_path: Path, server: Any) 
     ratio = {s["metric"]["tier"]: float(s["value"][1]) for s in by_title["Compression ratio", "A"]}
     assert ratio["cpu"] == 1.0, report  # stores raw bytes
     assert ratio["disk"] > 1.0, report  # zstd shrinks the dummy model's KV
+    # Blocks per GiB, one series per tier, labelled with the codec the config gives it.
+    per_gib = {
+        (s["metric"]["tier"], s["metric"]["codec"]): float(s["value"][1])
+        for s in by_title["Blocks per GiB of capacity", "A"]
+    }
+    assert set(per_gib) == {("cpu", "none"), ("disk", "zstd")}, report
+    assert all(v > 0 for v in per_gib.values()), report  # both tiers hold blocks
