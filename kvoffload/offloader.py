@@ -58,8 +58,9 @@ from kvoffload.datapath import DataPath, LayerProgress, LoadGate, StoreGate
 from kvoffload.jobs import Jobs, LoadsInFlight, ignore_result
 from kvoffload.keys import BlockKey
 from kvoffload.layout import KVLayout
+from kvoffload.lru_manager import LRUOffloadingManager
 from kvoffload.manager import OffloadingEvent
-from kvoffload.metrics import BACKEND_METRICS, tier_values
+from kvoffload.metrics import BACKEND_METRICS, tier_state, tier_values
 from kvoffload.plans import Copy, Outcome, Prefetch, Write, WriteOutcome
 from kvoffload.plans import LoadPlan as LoadPlan
 from kvoffload.plans import PrefetchStats as PrefetchStats
@@ -437,6 +438,11 @@ class Offloader:
                 # A backend that never compresses (the cpu slab, most plugins) stores
                 # what it was given: both are the books' bytes_written.
                 stats.logical_bytes = stats.stored_bytes = stats.bytes_written
+            # What the tier holds now, against what it could hold (blocks per GiB).
+            manager = tier.manager
+            held = len(manager) if isinstance(manager, LRUOffloadingManager) else None
+            for name, value in tier_state(held, tier.backend.capacity_bytes).items():
+                setattr(stats, name, value)
 
     def counters(self) -> tuple[dict[str, dict[str, int | float]], PrefetchStats]:
         """Every tier's counters (by tier name, see :func:`~kvoffload.metrics.tier_values`)
