@@ -345,6 +345,7 @@ def load_all(
     return {
         "reopen_s": min(r["reopen_s"] for r in rounds),
         "loaded": rounds[0]["loaded"],
+        "recovered_over_held": rounds[0]["loaded"] - held,
         "load_gbps": max(gbps),
         "load_gbps_rounds": gbps,
         "page_cache_dropped": all(r["page_cache_dropped"] for r in rounds),
@@ -368,8 +369,10 @@ def load_once(
     reopen_s = time.perf_counter() - t0
     try:
         keys = tier.manager.held_keys()
-        if len(keys) != held:
+        if len(keys) < held:
             raise SystemExit(f"{codec}: {len(keys)} blocks back after reopen, {held} held")
+        # More than held: blocks evicted after the last header write, whose cleared
+        # headers a clean close left on disk, came back (reported, and loaded too).
         index = {key_of(i): i for i in range(stored)}
         bpb = layout.bytes_per_block
         per = max(1, LOAD_BATCH_BYTES // bpb)
@@ -470,7 +473,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"page cache dropped: {all(r['page_cache_dropped'] for r in rows)}; "
         f"O_DIRECT: {all(r['direct_io'] for r in rows)}; "
-        f"problems: {sum(len(r['problems']) for r in rows)}",
+        f"problems: {sum(len(r['problems']) for r in rows)}; "
+        f"blocks back after reopen over those held: "
+        f"{[r['recovered_over_held'] for r in rows]}",
         flush=True,
     )
     if args.json is not None:

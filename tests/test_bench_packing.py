@@ -52,7 +52,8 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str
 def test_report_structure_and_exact_counts(bench: tuple[dict[str, Any], str, Path]) -> None:
     """One row per codec, none first; each tier filled until its first eviction and
     churned exactly twice that many blocks more; the fixed-slot tier holds its 63
-    slots; every block held came back after the reopen, verified; no consistency
+    slots; every block held came back after the reopen, verified, as did each one
+    loaded; no consistency
     problem in the manager or the backend; the tier directories removed."""
     doc, stdout, root = bench
     assert doc["bytes_per_block"] == BLOCK
@@ -63,7 +64,12 @@ def test_report_structure_and_exact_counts(bench: tuple[dict[str, Any], str, Pat
     for r in rows:
         assert r["filled_at"] > 0
         assert r["stored_blocks"] == r["filled_at"] + CHURN * r["filled_at"]
-        assert r["loaded"] == r["held"] > 0
+        # Each reopen loads every block it recovered, verified; at least those held
+        # (an evicted block whose cleared header a clean close left on disk may come
+        # back too: reported as recovered_over_held).
+        assert r["loaded"] == r["held"] + r["recovered_over_held"]
+        assert r["recovered_over_held"] >= 0
+        assert r["held"] > 0
         assert len(r["load_gbps_rounds"]) == 1
         assert r["problems"] == []
         assert r["rejected_fill"] + r["rejected_churn"] <= r["stored_blocks"] - r["held"]
