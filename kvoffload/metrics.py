@@ -170,7 +170,8 @@ class TierCounters:
         column="dropped",
     )
     rejected_stores: int = _count(
-        "Blocks not stored because no room could be made (every candidate pinned).",
+        "Blocks not stored because no room could be made (every candidate pinned), or a"
+        " packed tier found no run of pages long enough as it wrote.",
         column="rejected",
     )
     not_admitted: int = _count("Blocks kept out of this tier by its admit_after_hits.")
