@@ -26,12 +26,42 @@ def key_for(round_no: int, i: int) -> BlockKey:
     return chain_key(b"crash-round-%d" % round_no, i.to_bytes(8, "little"))
 
 
-def store_forever(config_json: str, round_no: int, batch: int) -> None:
-    """Store batches until killed; print ``ACK`` with the keys once ``complete_store``
-    has returned, and ``EVICT`` with the keys eviction dropped, before the write."""
+class MixedData:
+    """Block contents for the crash test's compressed rounds: KV-like values (a codec
+    shrinks them) for two keys in three, random bytes (stored raw) for the third, so
+    a packed slab's extents differ in length. Same interface as the generator."""
+
+    def __init__(self, bytes_per_block: int, seed: int) -> None:
+        self.nbytes = bytes_per_block
+        self.kv = BlockDataGenerator(bytes_per_block, seed, kind="kv")
+        self.raw = BlockDataGenerator(bytes_per_block, seed)
+
+    def _pick(self, key: BlockKey) -> BlockDataGenerator:
+        return self.raw if key[-1] % 3 == 2 else self.kv
+
+    def fill(self, key: BlockKey, row: torch.Tensor) -> None:
+        self._pick(key).fill(key, row)
+
+    def matches(self, key: BlockKey, row: torch.Tensor, scratch: torch.Tensor) -> bool:
+        return self._pick(key).matches(key, row, scratch)
+
+
+def block_data(bytes_per_block: int, data: str) -> BlockDataGenerator | MixedData:
+    """The generator for ``data``: ``random`` (the default), ``kv`` or ``mixed``."""
+    if data == "mixed":
+        return MixedData(bytes_per_block, seed=7)
+    return BlockDataGenerator(bytes_per_block, seed=7, kind=data)
+
+
+def store_forever(config_json: str, round_no: int, batch: int, data: str = "random") -> None:
+    """Store batches until killed; print ``ACK`` with the keys stored once
+    ``complete_store`` has returned, and ``EVICT`` with the keys eviction dropped,
+    before the write. As the books settle a write: where the tier answers charges (a
+    packed, compressed slab) a block answered 0 found no room and fails its store (not
+    acknowledged), and the others are charged what they took."""
     config = load_config(json.loads(config_json))
     layout = layout_from_config(config)
-    gen = BlockDataGenerator(layout.bytes_per_block, seed=7)
+    gen = block_data(layout.bytes_per_block, data)
     (tier,) = build_tiers(config, layout)
     buf = torch.empty((batch, layout.bytes_per_block), dtype=torch.uint8)
     print("READY", flush=True)
@@ -43,11 +73,18 @@ def store_forever(config_json: str, round_no: int, batch: int) -> None:
         assert plan is not None
         if plan.evicted:
             print("EVICT", " ".join(k.hex() for k in plan.evicted), flush=True)
-        for row, key in enumerate(plan.keys_to_store):
+        new = plan.keys_to_store
+        for row, key in enumerate(new):
             gen.fill(key, buf[row])
-        tier.backend.write(plan.slots, plan.keys_to_store, buf[: len(plan.keys_to_store)])
-        tier.manager.complete_store(plan.keys_to_store)
-        print("ACK", " ".join(k.hex() for k in plan.keys_to_store), flush=True)
+        charges = tier.backend.write(plan.slots, new, buf[: len(new)])
+        stored = new
+        if charges is not None:
+            stored = [k for k, c in zip(new, charges, strict=True) if c]
+            unplaced = [k for k, c in zip(new, charges, strict=True) if not c]
+            tier.manager.complete_store(unplaced, success=False)
+            tier.manager.charge(stored, [c for c in charges if c])
+        tier.manager.complete_store(stored)
+        print("ACK", " ".join(k.hex() for k in stored), flush=True)
 
 
 def fill_past_limit(config_json: str, limit: int, count: int) -> None:
@@ -273,7 +310,7 @@ def open_as(config_json: str) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "store_forever":
-        store_forever(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+        store_forever(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), *sys.argv[5:6])
     elif sys.argv[1] == "fill_past_limit":
         fill_past_limit(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
     elif sys.argv[1] == "serve_writer":
