@@ -6,17 +6,18 @@ a hit, so corruption only ever shortens a hit, under either ``kv_load_failure_po
 dummy-weight tiny Llama; the session's engine server, ``support/e2e.py``, unless a
 test kills its engines):
 
-- damage a filled ``mmap`` / ``lmdb`` tier at random (5 seeds, bytes flipped across
-  the files: payloads, headers, LMDB pages) and run the same batch under both
+- damage a filled ``mmap`` / ``lmdb`` tier, plain or compressed (``mmap`` with
+  ``zstd``: a packed slab), at random (5 seeds, bytes flipped across the files:
+  payloads, headers, LMDB pages) and run the same batch under both
   policies: no failed request, outputs equal to an engine without the connector;
 - an I/O error in the cpu tier at load time, the one late path left (the test
   plugin's ``flakycpu`` backend): recomputed under ``"recompute"``, a failed request
   under ``"fail"``;
 - ``kill -9`` of a whole engine process group while it stores, five times (``fsync``
-  on and off): every store its disk tier acknowledged (the test plugin's ``ackmmap``
-  logs them) is held and intact after the kill, every restart is served the stored
-  prefix from the disk, with outputs equal to the reference, and ``kvoffload verify``
-  finds nothing it cannot repair;
+  on and off), and twice over a packed ``zstd`` slab: every store its disk tier
+  acknowledged (the test plugin's ``ackmmap`` logs them) is held and intact after the
+  kill, every restart is served the stored prefix from the disk, with outputs equal to
+  the reference, and ``kvoffload verify`` finds nothing it cannot repair;
 - 1000 requests aborted before their load: no pins, holds or prefetches are left.
 
 Several engines run one after the other in one spec (its ``engines`` key): each is a
@@ -64,7 +65,7 @@ from support.e2e import (
 
 from kvoffload.config import KVOffloadConfig, MmapTierConfig
 from kvoffload.keys import BlockKey
-from kvoffload.record import HEADER_BYTES, HEADER_DTYPE, MAGIC
+from kvoffload.record import FLAG_EXTENT, HEADER_BYTES, HEADER_DTYPE, MAGIC
 from kvoffload.tier import build_tiers
 
 pytestmark = pytest.mark.slow  # real vLLM engines
@@ -80,7 +81,11 @@ FILLER_BLOCKS = 100
 # --------------------------------------------------------------------------- damage
 def _mmap_spots(path: Path, rng: random.Random, spots: int) -> list[int]:
     """Offsets in a slab file: a third in the used slots' header-table entries, a third
-    in their payloads, a third anywhere from the superblock to the last used slot."""
+    in their payloads, a third anywhere from the superblock to the end of the last
+    payload. A fixed-slot slab's payload is its slot's; a packed (compressed) slab's is
+    the extent its header names (``wtime``, the first page, under ``FLAG_EXTENT``), of
+    its ``stored`` bytes: both read from the file, so only bytes a block's checksum
+    covers are counted as payload damage."""
     meta = MmapBackend.read_superblock(path)
     assert meta is not None, path
     slots, stride, payload = meta["num_slots"], meta["stride"], meta["payload_bytes"]
@@ -92,7 +97,18 @@ def _mmap_spots(path: Path, rng: random.Random, spots: int) -> list[int]:
     used = np.flatnonzero(headers["magic"] == MAGIC).tolist()
     if not used:
         return []
-    end = data + (max(used) + 1) * stride
+    packed = meta.get("packed")
+    where: dict[int, tuple[int, int]] = {}  # slot -> (payload offset, stored bytes)
+    for slot in used:
+        if packed is None:
+            where[slot] = (data + slot * stride, payload)
+        else:
+            h = headers[slot]
+            assert h["flags"] & FLAG_EXTENT, f"{path}: slot {slot} names no extent"
+            page = int(h["wtime"]) - packed["first_page"]
+            assert 0 <= page < packed["pages"], f"{path}: slot {slot}: page {page}"
+            where[slot] = (data + page * ALIGN, int(h["stored"]))
+    end = max(at + n for at, n in where.values())
     out: set[int] = set()
     while len(out) < spots:
         kind = len(out) % 3
@@ -100,7 +116,8 @@ def _mmap_spots(path: Path, rng: random.Random, spots: int) -> list[int]:
         if kind == 0:
             out.add(ALIGN + slot * HEADER_BYTES + rng.randrange(HEADER_BYTES))
         elif kind == 1:
-            out.add(data + slot * stride + rng.randrange(payload))
+            at, n = where[slot]
+            out.add(at + rng.randrange(n))
         else:
             out.add(rng.randrange(end))
     return sorted(out)
@@ -139,6 +156,14 @@ def _damage(directory: Path, backend: str, seed: int, spots: int = 64) -> dict[s
                 f.seek(off)
                 f.write(bytes([byte ^ rng.randrange(1, 256)]))
     return {p.name: len(o) for p, o in plan.items()}
+
+
+def _packed(directory: Path) -> bool:
+    """Whether the ``mmap`` tier in ``directory`` is a packed slab (its superblock says
+    so): a compressed tier must be, or its blocks' extents go untested."""
+    meta = MmapBackend.read_superblock(directory / "slab-000.kvo")
+    assert meta is not None, directory
+    return "packed" in meta
 
 
 def _held_blocks(directory: Path, backend: str) -> int:
@@ -185,7 +210,9 @@ def test_corrupt_disk_tier_never_fails_a_request(
     damage was met and intact blocks were still served, with no load error: damage is
     found before a hit is claimed). Every run: no failed request, outputs equal to
     the reference. Compressed tiers too: a flip in a block's stored bytes must be
-    caught by its checksum before it is decompressed."""
+    caught by its checksum before it is decompressed. The compressed ``mmap`` tier is
+    a packed slab (its superblock says so; the plain one's is not): its payload flips
+    land in the extents its headers name."""
     pristine = tmp_path / "pristine"
     tiers = partial(connector_tiers, backend, compression=compression)
     (fill,) = engines.results(tmp_path, kvoffload=tiers(pristine), rounds=[BATCH, FILLER])
@@ -194,6 +221,12 @@ def test_corrupt_disk_tier_never_fails_a_request(
     written = fill["kvoffload"]
     if compression != "none":  # the blocks really are compressed on disk
         assert 0 < written["tier.disk.stored_bytes"] < written["tier.disk.logical_bytes"]
+    if backend == "mmap":  # compressed: a packed slab, each block in an extent
+        assert _packed(pristine) == (compression != "none")
+    print(
+        f"filled: stored {written['tier.disk.stored_bytes']} of "
+        f"{written['tier.disk.logical_bytes']} logical bytes"
+    )
 
     seeds = range(5)
     runs: dict[str, list[Path]] = {"fail": [], "recompute": []}
@@ -601,13 +634,13 @@ def _wait_for_acks(log: Path, proc: subprocess.Popen[str], lines: list[str], wan
         time.sleep(0.005)
 
 
-def _disk_config(path: Path) -> MmapTierConfig:
+def _disk_config(path: Path, compression: str) -> MmapTierConfig:
     """The kill test's disk tier at ``path``, as the built-in ``mmap`` backend."""
-    return MmapTierConfig(name="disk", path=str(path), capacity=KILL_DISK)
+    return MmapTierConfig(name="disk", path=str(path), capacity=KILL_DISK, compression=compression)
 
 
 def _lost_acknowledged(
-    path: Path, acked: dict[BlockKey, int]
+    path: Path, acked: dict[BlockKey, int], compression: str
 ) -> tuple[list[BlockKey], list[BlockKey]]:
     """Reopen the disk tier at ``path`` here, as the next engine would (the built-in
     ``mmap`` backend, its blocks recovered from the header tables; opened as written,
@@ -615,7 +648,7 @@ def _lost_acknowledged(
     block of ``acked`` (key -> the engine whose tier acknowledged its store). Returns
     the acknowledged blocks it lost: those it does not hold, and those it holds but
     cannot serve intact (the read checks key, layout and payload checksum)."""
-    conf = _disk_config(path)
+    conf = _disk_config(path, compression)
     layout = MmapBackend.stored_layout(conf)
     existing = MmapBackend.existing_config(conf, write=False)
     assert layout is not None, f"nothing written at {path}"
@@ -637,11 +670,11 @@ def _lost_acknowledged(
     return missing, invalid
 
 
-def _check_acknowledged(path: Path, acked: dict[BlockKey, int]) -> None:
+def _check_acknowledged(path: Path, acked: dict[BlockKey, int], compression: str) -> None:
     """Guarantee 2 (docs/reliability.md): every store an engine's tier acknowledged
     survives the kill, read back intact. The disk tier has room for everything, so no
     block may be missing, not even as a clean miss. Raises naming each block lost."""
-    missing, invalid = _lost_acknowledged(path, acked)
+    missing, invalid = _lost_acknowledged(path, acked, compression)
     if missing or invalid:
 
         def named(keys: list[BlockKey]) -> str:
@@ -653,12 +686,13 @@ def _check_acknowledged(path: Path, acked: dict[BlockKey, int]) -> None:
         )
 
 
-def _lose_two(src: Path, dst: Path, dropped: BlockKey, torn: BlockKey) -> None:
+def _lose_two(src: Path, dst: Path, dropped: BlockKey, torn: BlockKey, compression: str) -> None:
     """A copy of the tier at ``src`` in ``dst`` that has lost two blocks: ``dropped``
     through the tier's own API (as if its store had never returned), and ``torn`` by
-    one payload byte flipped in its slot (as if its store had been cut short)."""
+    the first byte of its payload flipped (as if its store had been cut short): where
+    the tier says it is (``payload_at``: its slot, or in a packed slab its extent)."""
     shutil.copytree(src, dst)
-    conf = _disk_config(dst)
+    conf = _disk_config(dst, compression)
     layout = MmapBackend.stored_layout(conf)
     assert layout is not None
     (tier,) = build_tiers(KVOffloadConfig(tiers=[conf]), layout)
@@ -666,31 +700,35 @@ def _lose_two(src: Path, dst: Path, dropped: BlockKey, torn: BlockKey) -> None:
         assert tier.manager.holds(dropped)
         (slot,) = tier.manager.prepare_load([torn])  # where its payload is
         tier.manager.complete_load([torn])
+        assert isinstance(tier.backend, MmapBackend)
+        slab, at = tier.backend.payload_at(slot)
         tier.drop([dropped])
     finally:
         tier.close()
-    (slab,) = dst.glob("slab-*.kvo")  # 128 MiB: one file
-    meta = MmapBackend.read_superblock(slab)
-    assert meta is not None
-    assert slot < meta["num_slots"]
-    table = (meta["num_slots"] * HEADER_BYTES + ALIGN - 1) // ALIGN * ALIGN
     with open(slab, "r+b") as f:
-        f.seek(ALIGN + table + slot * meta["stride"])
+        f.seek(at)
         byte = f.read(1)[0]
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte ^ 0xFF]))
 
 
+@pytest.mark.parametrize(
+    ("compression", "kills"), [("none", 5), ("zstd", 2)], ids=["mmap", "mmap-zstd"]
+)
 def test_kill_9_while_storing_then_restart_and_verify(
-    engines: EngineServer, tmp_path: Path, request: pytest.FixtureRequest
+    engines: EngineServer,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+    compression: str,
+    kills: int,
 ) -> None:
     """A check round is stored on cpu -> mmap (write_through, fsync) by an engine that
-    exits cleanly. Then, five times, an engine over the same tiers runs the check round
-    and round after round of new prompts (every step stores blocks), and its whole
-    process group is killed with SIGKILL at a random moment of that workload (seeded):
-    after one of its rounds, once its disk tier has acknowledged 1 to 5 stores more
-    (each round makes 6), so while the next round's stores are being written. A last
-    engine exits cleanly.
+    exits cleanly. Then, five times (``kills``), an engine over the same tiers runs
+    the check round and round after round of new prompts (every step stores blocks),
+    and its whole process group is killed with SIGKILL at a random moment of that
+    workload (seeded): after one of its rounds, once its disk tier has acknowledged 1
+    to 5 stores more (each round makes 6), so while the next round's stores are being
+    written. A last engine exits cleanly.
 
     The killed engines' disk tier is the test plugin's ``ackmmap``: the built-in mmap
     tier, which logs the keys of every store that has returned. Engines 1, 3 and 5 run
@@ -698,8 +736,17 @@ def test_kill_9_while_storing_then_restart_and_verify(
     kill, before the next engine starts, the tier is reopened here and every block
     acknowledged by any killed engine so far must be held and read back intact
     (:func:`_check_acknowledged`); after the last engine, once more. A copy of the
-    final tier that lost one acknowledged block (dropped), and one torn (a payload
-    byte flipped), must fail that same check, naming exactly those two.
+    final tier that lost one of engine 1's acknowledged blocks (dropped), and one of
+    the last killed engine's (torn: a payload byte flipped), must fail that same
+    check, naming exactly those two.
+
+    Also over a packed compressed disk tier (``compression: zstd``: each block in an
+    extent of its compressed bytes' pages), with two kills rather than five (engine 1
+    with ``fsync`` on, engine 2 off) to bound the test's time: the same claims; the
+    slab is packed (its superblock says so; the plain variant's is not), and the
+    clean engine's counters show the check round stored compressed (stored bytes
+    under logical bytes). A killed engine's ``ackmmap`` acknowledges only the blocks
+    its write placed (charge above 0).
 
     The guarantee, whatever the machine's speed: the disk tier has room for every
     block the engines can store (their workloads are bounded, and an engine that ends
@@ -714,7 +761,7 @@ def test_kill_9_while_storing_then_restart_and_verify(
     engine runs in vLLM's default multi-process mode, the others in one process."""
     rng = random.Random(10)
     tier_dir = tmp_path / "ssd"
-    tiers = connector_tiers("mmap", tier_dir, capacity=KILL_DISK)
+    tiers = connector_tiers("mmap", tier_dir, capacity=KILL_DISK, compression=compression)
     tiers["config"]["tiers"][0]["capacity"] = "16MiB"
     config = _tier_yaml(tmp_path / "tiers.yaml", tiers)
     check = [PREFIX + tokens(300 + i, 50) for i in range(3)]
@@ -728,6 +775,14 @@ def test_kill_9_while_storing_then_restart_and_verify(
     # first, and so which ones hit vLLM's own cache, depends on the step each lookup
     # is answered in).
     assert stored["kvoffload"]["blocks_loaded"] == 0, stored["kvoffload"]
+    written = stored["kvoffload"]
+    if compression != "none":  # the blocks really are compressed on disk
+        assert 0 < written["tier.disk.stored_bytes"] < written["tier.disk.logical_bytes"]
+    assert _packed(tier_dir) == (compression != "none")  # each block in an extent
+    print(
+        f"check round: stored {written['tier.disk.stored_bytes']} of "
+        f"{written['tier.disk.logical_bytes']} logical bytes"
+    )
     assert min(cached(stored)) == 0
     rc, report, out = _verify(tmp_path, config)
     assert rc == 0, out
@@ -751,7 +806,6 @@ def test_kill_9_while_storing_then_restart_and_verify(
     # socket path has at most 107 bytes).
     sockets = Path(tempfile.mkdtemp(prefix="kvo-"))
     request.addfinalizer(lambda: shutil.rmtree(sockets, ignore_errors=True))
-    kills = 5
     served = []
     timeline = []
     acked: dict[BlockKey, int] = {}  # every acknowledged key -> the engine
@@ -817,7 +871,7 @@ def test_kill_9_while_storing_then_restart_and_verify(
                 f"engine {engine} (fsync {'on' if engine % 2 else 'off'}): "
                 f"{len(stores)} stores, {len(mine)} blocks acknowledged"
             )
-        _check_acknowledged(tier_dir, acked)
+        _check_acknowledged(tier_dir, acked, compression)
         timeline.append(
             f"{time.monotonic() - t0:6.1f} s: all {len(acked)} acknowledged blocks intact"
         )
@@ -836,7 +890,8 @@ def test_kill_9_while_storing_then_restart_and_verify(
         shutil.rmtree(copy_dir, ignore_errors=True)
         shutil.copytree(tier_dir, copy_dir)
         copy_config = _tier_yaml(
-            tmp_path / "repaired.yaml", connector_tiers("mmap", copy_dir, capacity=KILL_DISK)
+            tmp_path / "repaired.yaml",
+            connector_tiers("mmap", copy_dir, capacity=KILL_DISK, compression=compression),
         )
         rc, fixed, out = _verify(tmp_path, copy_config, "--repair")
         assert rc == 0, out
@@ -855,13 +910,13 @@ def test_kill_9_while_storing_then_restart_and_verify(
     dropped = next(k for k in order if acked[k] == 1)
     torn = next(k for k in reversed(order) if acked[k] == kills)
     lossy = tmp_path / "lossy"
-    _lose_two(tier_dir, lossy, dropped, torn)
-    assert _lost_acknowledged(lossy, acked) == ([dropped], [torn])
+    _lose_two(tier_dir, lossy, dropped, torn, compression)
+    assert _lost_acknowledged(lossy, acked, compression) == ([dropped], [torn])
     with pytest.raises(AssertionError, match=f"2 of {len(acked)} acknowledged blocks lost") as e:
-        _check_acknowledged(lossy, acked)
+        _check_acknowledged(lossy, acked, compression)
     assert f"[{dropped.hex()} (engine 1)]" in str(e.value), e.value
     assert f"[{torn.hex()} (engine {kills})]" in str(e.value), e.value
-    _check_acknowledged(tier_dir, acked)  # the original: untouched
+    _check_acknowledged(tier_dir, acked, compression)  # the original: untouched
     print(f"lossy copy: lost {dropped.hex()} (dropped) and {torn.hex()} (torn): both named")
 
 

@@ -180,7 +180,8 @@ def read_ack_log(path: str | os.PathLike[str]) -> list[list[BlockKey]]:
 
 class AckMmapBackend(MmapBackend):
     """A real :class:`MmapBackend` (the same files, reopened as ``mmap`` as well) whose
-    every ``write`` that returns appends ``ACK <n> <key hex>...`` to ``ack_log``: one
+    every ``write`` that returns appends ``ACK <n> <key hex>...`` (the keys it stored:
+    all of them, or, from a packed slab, those whose charge is not 0) to ``ack_log``: one
     ``os.write`` on an ``O_APPEND`` descriptor, after the payloads and headers are
     written (and, with ``fsync`` on, flushed). A line is thus logged only for a store
     that has returned, and whole or cut short, never interleaved with another's."""
@@ -195,14 +196,24 @@ class AckMmapBackend(MmapBackend):
             flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
             self._ack_fd = os.open(config.ack_log, flags, 0o644)
 
-    def write(self, slots: Sequence[int], keys: Sequence[BlockKey], src: torch.Tensor) -> None:
-        super().write(slots, keys, src)
+    def write(
+        self, slots: Sequence[int], keys: Sequence[BlockKey], src: torch.Tensor
+    ) -> list[int] | None:
+        charges = super().write(slots, keys, src)
         fd = self._ack_fd
-        if keys and fd is not None:
-            line = " ".join([ACK_TAG, str(len(keys)), *(k.hex() for k in keys)])
+        # A packed (compressed) slab answers each block's charge: 0 is a block that
+        # found no room and was not stored, so it is not acknowledged either.
+        stored = (
+            list(keys)
+            if charges is None
+            else [k for k, c in zip(keys, charges, strict=True) if c > 0]
+        )
+        if stored and fd is not None:
+            line = " ".join([ACK_TAG, str(len(stored)), *(k.hex() for k in stored)])
             data = (line + "\n").encode()
             if os.write(fd, data) != len(data):
                 raise BackendError(f"tier {self.name!r}: short write to its ack log")
+        return charges
 
     def close(self) -> None:
         super().close()
