@@ -70,6 +70,7 @@ from kvoffload.record import (
     READABLE_VERSIONS,
     build_headers,
     check_headers,
+    extent_pages,
     header_crc,
     pack_payloads,
     payload_checksum,
@@ -488,6 +489,18 @@ class MmapBackend(Backend):
         charges: dict[int, int] = {}
         if self.space is not None:
             kept = self._adopt_extents([v for v in best.values()])
+            budget = self.budget()
+            total = sum(kept.values())
+            if budget is not None and total > budget[0]:
+                # More than the budget (a crash before cleared headers reached the
+                # disk, or a reserve that grew): the least recently used go, so the
+                # books can take the rest.
+                for _, slot, _ in sorted(best.values(), key=lambda v: v[2]):
+                    if total <= budget[0]:
+                        break
+                    if slot in kept:
+                        total -= kept.pop(slot)
+                        self.space.release(slot)
             for key in [k for k, v in best.items() if v[1] not in kept]:
                 reclaim.append(best.pop(key)[1])
             charges = kept
@@ -518,8 +531,13 @@ class MmapBackend(Backend):
         assert self.space is not None
         first = np.array(self.space.first_page, dtype=np.int64)
         start = h["wtime"].astype(np.int64)
-        last = start + np.maximum(1, -(-stored // ALIGN)) - 1
-        inside = (h["flags"] & FLAG_EXTENT != 0) & (last < self.space.total_pages)
+        pages = extent_pages(h)
+        last = start + pages - 1
+        inside = (
+            (h["flags"] & FLAG_EXTENT != 0)
+            & (pages <= self.space.max_pages)
+            & (last < self.space.total_pages)
+        )
         same_file = np.searchsorted(first, start, "right") == np.searchsorted(first, last, "right")
         return np.asarray(inside & same_file)
 
@@ -537,7 +555,7 @@ class MmapBackend(Backend):
             for f, idx in self._by_file(files):
                 recs = f.headers[locals_[idx]]
                 starts[idx] = recs["wtime"].astype(np.int64)
-                pages[idx] = np.maximum(1, -(-stored_lengths(recs) // ALIGN))
+                pages[idx] = extent_pages(recs)
         keep = resolve(starts, pages, seqs)
         self.space.adopt(slots[keep].tolist(), starts[keep].tolist(), pages[keep].tolist())
         return dict(zip(slots[keep].tolist(), (pages[keep] * ALIGN).tolist(), strict=True))
@@ -594,6 +612,7 @@ class MmapBackend(Backend):
         stored: list[int],
         codecs: list[int],
         extents: list[int] | None,
+        spare: list[int] | None = None,
     ) -> None:
         """Describe a batch whose payloads are written: its headers into the tables,
         then onto disk (with any headers cleared since the last write)."""
@@ -612,6 +631,7 @@ class MmapBackend(Backend):
                 stored=stored,
                 codecs=codecs,
                 extents=extents,
+                spare=spare,
             )
             self._seq += len(slots)
             for f, idx in self._by_file(files):
@@ -653,9 +673,6 @@ class MmapBackend(Backend):
                 out = out.reshape(len(idxs), self.stride)
                 got = pack_payloads([rows[i] for i in idxs], out, self.packer)
                 with self._lock:
-                    for i in idxs:  # every old extent first: each may serve a new one
-                        if space.release(slots[i]):
-                            self._forget(slots[i])
                     for k, i in enumerate(idxs):
                         stored[i], codecs[i], sums[i] = got[0][k], got[1][k], got[2][k]
                         start = space.place(slots[i], pages_for(stored[i]))
@@ -678,6 +695,25 @@ class MmapBackend(Backend):
                     at = slab.data_offset + (end - pages - slab.first_page) * ALIGN
                     self._pwritev_all(slab.fd, views, at)
 
+        with self._lock:  # every old extent first: together they make the longest runs
+            for slot in slots:
+                if space.release(slot):
+                    self._forget(slot)
+            cleared, self._cleared_pages = self._cleared_pages, set()
+        # Headers of freed blocks cleared on disk before their pages take new payloads:
+        # a process killed mid-write then leaves no header naming reused pages, so a
+        # reopen never finds more blocks than the books held (without fsync a power
+        # loss may reorder these writes: the checksums and the overlap rule remain).
+        by_file: dict[int, set[int]] = {}
+        for index, page in cleared:
+            by_file.setdefault(index, set()).add(page)
+        try:
+            for index, pages in by_file.items():
+                self._write_header_pages(self.files[index], sorted(pages))
+        except OSError as exc:
+            with self._lock:
+                self._cleared_pages |= cleared
+            raise BackendError(f"tier {self.name!r}: header write failed: {exc}") from exc
         self._run_chunks([list(range(i, min(n, i + per))) for i in range(0, n, per)], do_chunk)
         placed = [i for i in range(n) if starts[i] >= 0]
         if len(placed) < n:
@@ -685,6 +721,8 @@ class MmapBackend(Backend):
                 "tier %s: no free extent for %d of %d blocks", self.name, n - len(placed), n
             )
         if placed:
+            with self._lock:
+                spare = [int(space.pages[slots[i]]) - pages_for(stored[i]) for i in placed]
             self._seal(
                 [slots[i] for i in placed],
                 [keys[i] for i in placed],
@@ -692,9 +730,11 @@ class MmapBackend(Backend):
                 [stored[i] for i in placed],
                 [codecs[i] for i in placed],
                 [starts[i] for i in placed],
+                spare,
             )
         self.count_stored(len(placed) * self.payload_bytes, sum(stored[i] for i in placed))
-        return [pages_for(stored[i]) * ALIGN if starts[i] >= 0 else 0 for i in range(n)]
+        with self._lock:  # each block's extent, splinter included (mmap_extents.py)
+            return [int(space.pages[slots[i]]) * ALIGN if starts[i] >= 0 else 0 for i in range(n)]
 
     def _run_chunks(self, chunks: list[list[int]], fn: Callable[[list[int]], None]) -> None:
         """Run ``fn`` on each chunk on the pool; any failure becomes a BackendError."""
@@ -1068,8 +1108,13 @@ class MmapBackend(Backend):
         self._persist_header_pages(touched)
 
     def _flush_atimes(self, f: _SlabFile) -> None:
+        """Write ``f``'s header pages with access times not yet on disk, and those
+        holding headers cleared since the last write (a packed slab's freed slots):
+        otherwise a clean reopen would find blocks the books had dropped."""
         with self._lock:
-            pages = sorted(p for i, p in self._dirty_pages if i == f.index)
+            cleared = {p for i, p in self._cleared_pages if i == f.index}
+            self._cleared_pages -= {(f.index, p) for p in cleared}
+            pages = sorted(cleared | {p for i, p in self._dirty_pages if i == f.index})
         if pages:
             self._write_header_pages(f, pages)
 

@@ -27,6 +27,10 @@ import numpy as np
 
 from kvoffload.extents import ExtentAllocator
 
+MAX_SPARE = 127
+"""Most pages a placement takes along beyond a block's own (what a header's flags
+can record, so that a reopen restores the extent and the charge exactly)."""
+
 
 class PackedSpace:
     """The extents of a packed slab: free space per file, and each slot's extent."""
@@ -40,6 +44,11 @@ class PackedSpace:
         self.files = [ExtentAllocator(p, max_pages=max_pages) for p in file_pages]
         self.start = np.full(num_slots, -1, dtype=np.int64)  # slot -> first global page
         self.pages = np.zeros(num_slots, dtype=np.int64)  # slot -> pages (0: none)
+        # The fewest pages any block has asked for: a free remainder shorter than that
+        # could serve no block, so a placement takes it along (ExtentAllocator
+        # .allocate_whole); a block's extent may thus be a few pages longer than its
+        # stored bytes, and it is charged for them.
+        self.smallest = max_pages
 
     def adopt(self, slots: Sequence[int], starts: Sequence[int], pages: Sequence[int]) -> None:
         """Start over from the extents a reopen found valid (none overlapping)."""
@@ -58,16 +67,18 @@ class PackedSpace:
         return bisect.bisect_right(self.first_page, page) - 1
 
     def place(self, slot: int, pages: int) -> int | None:
-        """A new extent of ``pages`` for ``slot`` (whatever it held is freed first):
-        its first global page, or ``None`` when no file has a free extent that long
-        (the slot then holds nothing). Files with the most free pages are tried first."""
+        """A new extent of at least ``pages`` for ``slot`` (whatever it held is freed
+        first): its first global page, or ``None`` when no file has a free extent that
+        long (the slot then holds nothing). Files with the most free pages are tried
+        first; :attr:`pages` says how long the extent is."""
         self.release(slot)
+        self.smallest = min(self.smallest, pages)
         order = sorted(range(len(self.files)), key=lambda f: -self.files[f].free_pages)
         for f in order:
-            local = self.files[f].allocate(pages)
-            if local is not None:
-                start = self.first_page[f] + local
-                self.start[slot], self.pages[slot] = start, pages
+            got = self.files[f].allocate_whole(pages, min(self.smallest, MAX_SPARE + 1))
+            if got is not None:
+                start = self.first_page[f] + got[0]
+                self.start[slot], self.pages[slot] = start, got[1]
                 return start
         return None
 

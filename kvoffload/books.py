@@ -381,7 +381,7 @@ class Books:
             manager.complete_store(lost, success=False)
         if out.charges is not None:  # what each block took in a budgeted tier
             took = [c for c, good in zip(out.charges, ok, strict=True) if good]
-            manager.charge(stored, took)
+            manager.charge(stored, took, unplaced=out.unplaced)
         manager.complete_store(stored, success=True)
         if out.failed:
             stats.store_errors += len(w.keys)

@@ -122,6 +122,15 @@ class ExtentAllocator:
         """The start of a new extent of ``n`` pages, or ``None`` (allocating nothing)
         if no free extent holds ``n``. Best fit: the smallest free extent that holds
         ``n``, the lowest start among equals; the remainder stays free."""
+        got = self.allocate_whole(n, 0)
+        return None if got is None else got[0]
+
+    def allocate_whole(self, n: int, splinter: int) -> tuple[int, int] | None:
+        """:meth:`allocate`, but a remainder shorter than ``splinter`` pages goes with
+        the extent (up to ``max_pages``): ``(start, pages)`` as allocated. Why: a caller
+        that never asks for fewer than ``splinter`` pages could never use it, and left
+        free it would sit between blocks, counted free and useless, until a neighbour
+        is freed; taken, it is charged to the block that made it, and freed with it."""
         if not 1 <= n <= self.max_pages:
             raise ValueError(f"an extent is 1..{self.max_pages} pages, asked for {n}")
         above = self._nonempty >> n
@@ -130,10 +139,12 @@ class ExtentAllocator:
         cls = n + (above & -above).bit_length() - 1
         length, start = self._top(cls)
         self._remove_free(start)
-        if length > n:
+        if length > n and (length - n >= splinter or length > self.max_pages):
             self._insert_free(start + n, length - n)
+        else:
+            n = length
         self._used[start] = n
-        return start
+        return start, n
 
     def free(self, start: int, n: int) -> None:
         """Return an allocated extent, coalescing it with free neighbours on both sides.

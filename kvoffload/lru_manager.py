@@ -80,6 +80,7 @@ class LRUOffloadingManager(OffloadingManager):
         # Slots of victims a budgeted store did not reuse, freed when the store whose
         # first new key this is completes (see _prepare_store_budgeted).
         self._parked: dict[BlockKey, list[int]] = {}
+        self._slack = 0  # bytes of the budget kept free besides (see charge)
 
     # -- introspection ------------------------------------------------------------
     @property
@@ -220,8 +221,14 @@ class LRUOffloadingManager(OffloadingManager):
         refs, charges, full = self._refs, self._charges, self.full_charge
         protected_idle = sum(charges[s] for s in held if s is not None and refs[s] == 0)
         byte_deficit = self.bytes_held + len(new) * full - budget
-        if byte_deficit > self._idle_bytes - protected_idle:
+        room = self._idle_bytes - protected_idle
+        if byte_deficit > room:
             return None  # evicting every block it may would not free enough bytes
+        if self._slack:
+            # Blocks lately found no run of pages long enough (see charge): keep that
+            # much of the budget free as well, as far as idle blocks allow, so freed
+            # neighbours merge into longer runs and stores keep landing.
+            byte_deficit = max(byte_deficit, min(byte_deficit + self._slack, room))
         slot_deficit = len(new) - self.allocator.num_free
         evicted: list[BlockKey] = []
         evicted_slots: list[int] = []
@@ -262,7 +269,7 @@ class LRUOffloadingManager(OffloadingManager):
         self.policy.insert_many(new, slots)
         return PrepareStoreOutput(new, slots, evicted, evicted_slots)
 
-    def charge(self, keys: Sequence[BlockKey], sizes: Sequence[int]) -> None:
+    def charge(self, keys: Sequence[BlockKey], sizes: Sequence[int], *, unplaced: int = 0) -> None:
         """Set the stored size of blocks being written or ready: what their lane wrote.
 
         How the books learn it: the lane knows a block's size once it compressed and
@@ -274,9 +281,22 @@ class LRUOffloadingManager(OffloadingManager):
         block's charge when the call began raises :class:`BlockStateError`, changing
         nothing. Keys not held are ignored (a failed store released its charge); so is
         the call on a tier without a budget, so the books need not ask which is which.
+
+        ``unplaced``: blocks of the same job the tier found no room for as it wrote
+        (its free bytes were enough, its free runs of pages too short). The budget
+        alone would never evict for them, and stores could keep failing; so the tier
+        keeps that many more full-size blocks' bytes free from then on (its *slack*,
+        at most a quarter of the budget), and each job that places all its blocks
+        lets an eighth of a block of it go: the free space settles where the stores
+        land.
         """
         if self.byte_budget is None:
             return
+        if unplaced > 0:  # grow the free space kept, up to a quarter of the budget
+            grown = self._slack + unplaced * self.full_charge
+            self._slack = min(self.byte_budget // 4, grown)
+        elif keys and self._slack:  # a job that placed every block: let a little go
+            self._slack = max(0, self._slack - self.full_charge // 8)
         refs, charges, full = self._refs, self._charges, self.full_charge
         found: list[int] = []
         found_sizes: list[int] = []

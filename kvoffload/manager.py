@@ -79,9 +79,12 @@ class OffloadingManager(ABC):
     def complete_store(self, keys: Sequence[BlockKey], success: bool = True) -> None:
         """Finish stores begun by :meth:`prepare_store`: make ready, or drop and free."""
 
-    def charge(self, keys: Sequence[BlockKey], sizes: Sequence[int]) -> None:  # noqa: B027
+    def charge(  # noqa: B027
+        self, keys: Sequence[BlockKey], sizes: Sequence[int], *, unplaced: int = 0
+    ) -> None:
         """The bytes each of ``keys`` (being written) took, as its lane reported them,
-        for a tier whose backend has a byte budget; others ignore it."""
+        and how many of the job's blocks found no room, for a tier whose backend has a
+        byte budget; others ignore it."""
 
     @abstractmethod
     def take_events(self) -> list[OffloadingEvent]:

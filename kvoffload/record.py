@@ -11,7 +11,9 @@ into the engine's bytes with :func:`restore`. A new field (the codec) lands here
     version  u1   2                   1: written before compression existed (below)
     codec    u1   kvoffload.codec id  0: the payload is the engine's bytes as they are
     key_len  u1   1..64               bytes of ``key`` in use
-    flags    u1   0, or FLAG_EXTENT   bit 0: ``wtime`` holds the payload's first page
+    flags    u1   0, or FLAG_EXTENT   bit 0: ``wtime`` holds the payload's first page;
+                                      bits 1..7 then: pages the extent holds beyond
+                                      the stored bytes' (a splinter it took along)
     length   u4   logical bytes       must equal the layout's bytes_per_block
     seq      u8   write sequence      newest wins when a key appears twice
     stored   u4   payload bytes       as stored: length when codec is 0, less otherwise
@@ -111,6 +113,14 @@ def header_key(rec: np.void) -> bytes:
     return bytes(rec["key"].tobytes()[: int(rec["key_len"])])
 
 
+def extent_pages(recs: np.ndarray[Any, np.dtype[np.void]]) -> np.ndarray[Any, Any]:
+    """Pages of each packed record's extent (:data:`FLAG_EXTENT`): its stored bytes'
+    pages plus the spare ones its flags count."""
+    stored = stored_lengths(recs)
+    spare = recs["flags"].astype(np.int64) >> 1
+    return np.asarray(np.maximum(1, -(-stored // 4096)) + spare, dtype=np.int64)
+
+
 def stored_lengths(recs: np.ndarray[Any, np.dtype[np.void]]) -> np.ndarray[Any, Any]:
     """Payload bytes as stored, per header (a version-1 header's is its ``length``)."""
     return np.where(recs["version"] == 1, recs["length"], recs["stored"]).astype(np.int64)
@@ -127,10 +137,12 @@ def build_headers(
     stored: Sequence[int] | None = None,
     codecs: Sequence[int] | None = None,
     extents: Sequence[int] | None = None,
+    spare: Sequence[int] | None = None,
 ) -> np.ndarray[Any, np.dtype[np.void]]:
     """The headers of a batch as one ``HEADER_DTYPE`` array, ``hcrc`` included; block
     ``i`` gets ``seq = first_seq + i``; ``stored``/``codecs`` default to raw payloads;
-    ``extents``: each payload's first page in a packed slab (:data:`FLAG_EXTENT`).
+    ``extents``: each payload's first page in a packed slab (:data:`FLAG_EXTENT`),
+    ``spare`` the pages its extent holds beyond its stored bytes (0..127).
 
     A batch at a time because numpy scalar field access costs about 20 us a header:
     0.7 s of a 512 MiB store of 16 KiB blocks, more than the disk took (2026-11-23,
@@ -150,7 +162,8 @@ def build_headers(
     if extents is None:
         arr["wtime"] = int(now)
     else:
-        arr["flags"] = FLAG_EXTENT
+        extra = np.zeros(n, dtype=np.uint8) if spare is None else np.asarray(spare, np.uint8)
+        arr["flags"] = FLAG_EXTENT | (extra << 1)
         arr["wtime"] = np.asarray(extents, dtype=np.uint32)
     arr["atime"] = now
     arr["layout"] = np.void(bytes(layout_fp))

@@ -208,7 +208,7 @@ def store_batch(
             diag[key] += 1
     if lost:
         manager.complete_store([plan.keys_to_store[j] for j in lost], success=False)
-    manager.charge(stored, [s for s in sizes if s > 0])
+    manager.charge(stored, [s for s in sizes if s > 0], unplaced=len(sizes) - len(stored))
     manager.complete_store(stored, success=True)
     return bool(plan.evicted), len(lost)
 

@@ -63,7 +63,7 @@ def simulate(ppb: int, blocks: int, batch: int, reserve: float, stores: int) -> 
             sizes.append(0 if start is None else int(space.pages[slot]) * PAGE)
         good = [k for k, size in zip(out.keys_to_store, sizes, strict=True) if size]
         books.complete_store([k for k in out.keys_to_store if k not in good], success=False)
-        books.charge(good, [size for size in sizes if size])
+        books.charge(good, [size for size in sizes if size], unplaced=len(sizes) - len(good))
         books.complete_store(good)
         placed += len(good)
         unplaced += len(out.keys_to_store) - len(good)

@@ -72,8 +72,9 @@ def test_a_zstd_tier_holds_more_blocks_in_the_same_capacity(
 ) -> None:
     """Both tiers get the same 200 blocks; the uncompressed one holds exactly its 64
     full-size blocks, the zstd one every block its budget's pages hold at the charge
-    each block's write answered (3 pages of 4 here): 78 (a tier this small loses a
-    larger share to the reserve and to a batch's headroom than a big one), and each
+    each block's write answered (3 pages of 4 here, or 4 with a splinter): 76 to 80
+    (a tier this small loses a larger share to the reserve and to a batch's headroom
+    than a big one), and each
     block it serves reads back bit-exact. Nothing is refused for want of an extent."""
     off = _offloader(tmp_path, compression)
     try:
@@ -87,13 +88,18 @@ def test_a_zstd_tier_holds_more_blocks_in_the_same_capacity(
         else:
             budget, full = ssd.backend.budget()  # type: ignore[misc]
             assert full == 4 * ALIGN
-            charges = {manager._charges[manager.state(k).slot] for k in held}
-            assert charges == {3 * ALIGN}  # every block compressed to 3 pages
-            assert manager.bytes_held == len(held) * 3 * ALIGN <= budget
+            charges = [manager._charges[manager.state(k).slot] for k in held]
+            # Every block compressed to 3 pages; one placed in a run of 4 took the
+            # page left over too (no block could use it), and is charged for it.
+            assert set(charges) <= {3 * ALIGN, 4 * ALIGN}
+            assert manager.bytes_held == sum(charges) <= budget
             # LRU by bytes: a batch of 8 at full charge no longer fits on top (the
             # headroom a store in flight needs is what keeps it under 1.33x).
             assert manager.bytes_held + 8 * full > budget
-            assert len(held) == 78  # 242 pages budgeted: 1.22x the 64 full-size blocks
+            # 242 pages budgeted: 80 blocks of 3 pages at most, fewer by the headroom
+            # of the last batch and the splinters taken (which ones: the I/O threads'
+            # order), so about 1.2x the 64 full-size blocks.
+            assert 76 <= len(held) <= 80
         assert off.stats[1].rejected_stores == 0
         assert off.check() == []
         # What it holds loads back exactly.
@@ -296,3 +302,40 @@ def test_the_reserve_simulation_runs_the_real_books_and_map() -> None:
     assert bare["unplaced"] > 0
     assert kept["unplaced"] == 0
     assert 1.3 < kept["held_vs_full"] <= bare["held_vs_full"]
+
+
+def test_a_clean_close_carries_cleared_headers_to_disk(tmp_path: Path) -> None:
+    """Blocks freed after the last write are not recovered after a clean close: the
+    close writes the header pages they were cleared from."""
+    be = _packed(tmp_path)
+    keys = make_keys(4, salt=10)
+    slots = be.allocate(4)
+    assert slots is not None
+    be.write(slots, keys, _rows(keys))
+    be.free(slots[:3])
+    be.close()
+    again = _packed(tmp_path)
+    assert [b.key for b in again.recover()] == keys[3:]
+    again.close()
+
+
+def test_a_reopen_over_the_budget_keeps_the_most_recent_blocks(tmp_path: Path) -> None:
+    """A slab holding more than its budget (written here below the books, as a crash
+    before cleared headers reached the disk could leave it) opens: the least recently
+    written blocks are dropped until the rest fit, and the books take them."""
+    be = _packed(tmp_path)  # 8 full-size blocks: 31 pages, a budget of 23
+    budget, full = be.budget()  # type: ignore[misc]
+    data = torch.randint(0, 256, (1, BPB), dtype=torch.uint8)  # raw: 4 pages
+    keys = make_keys(7, salt=11)
+    for key in keys:  # one by one: each a later write time than the last
+        slot = be.allocate(1)
+        assert slot is not None
+        assert be.write(slot, [key], data) == [full]
+    be.close()
+    again = _packed(tmp_path)
+    manager = local_manager(again)
+    assert adopt_recovered(manager, again) == budget // full  # 5 of the 7
+    assert sorted(manager.held_keys()) == sorted(keys[-5:])
+    assert manager.check() == []
+    assert again.check() == []
+    again.close()

@@ -489,6 +489,8 @@ def import_snapshot(
                 rows = blocks[part.start : part.stop]
                 row_of = {k: i for i, k in enumerate(batch_keys)}
                 src_rows = rows[torch.tensor([row_of[k] for k in plan.keys_to_store])]
+                # A packed tier's victims beyond the slots reused: their space now.
+                backend.released([s for s in plan.evicted_slots if s not in plan.slots])
                 sizes = backend.write(plan.slots, plan.keys_to_store, src_rows.contiguous())
                 stored = plan.keys_to_store
                 if sizes is not None:  # a packed tier: blocks it found no room for drop
@@ -496,7 +498,7 @@ def import_snapshot(
                     manager.complete_store(lost, success=False)
                     counts["rejected"] += len(lost)
                     stored = [k for k, size in zip(stored, sizes, strict=True) if size]
-                    manager.charge(stored, [size for size in sizes if size])
+                    manager.charge(stored, [size for size in sizes if size], unplaced=len(lost))
                 manager.complete_store(stored)
                 imported.update(stored)
         finally:

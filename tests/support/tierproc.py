@@ -58,7 +58,8 @@ def store_forever(config_json: str, round_no: int, batch: int, data: str = "rand
     ``complete_store`` has returned, and ``EVICT`` with the keys eviction dropped,
     before the write. As the books settle a write: where the tier answers charges (a
     packed, compressed slab) a block answered 0 found no room and fails its store (not
-    acknowledged), and the others are charged what they took."""
+    acknowledged, and the next store makes room for it), and the others are charged
+    what they took."""
     config = load_config(json.loads(config_json))
     layout = layout_from_config(config)
     gen = block_data(layout.bytes_per_block, data)
@@ -76,13 +77,16 @@ def store_forever(config_json: str, round_no: int, batch: int, data: str = "rand
         new = plan.keys_to_store
         for row, key in enumerate(new):
             gen.fill(key, buf[row])
+        # As a job does once it has read what it demotes (nothing here): the space of
+        # victims the store does not reuse goes back to the tier before the write.
+        tier.backend.released([s for s in plan.evicted_slots if s not in plan.slots])
         charges = tier.backend.write(plan.slots, new, buf[: len(new)])
         stored = new
         if charges is not None:
             stored = [k for k, c in zip(new, charges, strict=True) if c]
             unplaced = [k for k, c in zip(new, charges, strict=True) if not c]
             tier.manager.complete_store(unplaced, success=False)
-            tier.manager.charge(stored, [c for c in charges if c])
+            tier.manager.charge(stored, [c for c in charges if c], unplaced=len(unplaced))
         tier.manager.complete_store(stored)
         print("ACK", " ".join(k.hex() for k in stored), flush=True)
 
