@@ -403,15 +403,24 @@ class LRUOffloadingManager(OffloadingManager):
         sizes = [full] * len(blocks) if charges is None else list(charges)
         if len(sizes) != len(blocks):
             raise ValueError(f"{len(blocks)} blocks restored with {len(sizes)} charges")
-        seen: set[BlockKey | int] = set()  # keys and slots of this call
+        seen_keys: set[BlockKey] = set()  # keys and slots of this call
+        seen_slots: set[int] = set()
+        held_any = len(self.policy) > 0  # at start-up nothing is: skip the lookups
+        allocated = self.allocator.is_allocated
         for (key, slot), size in zip(blocks, sizes, strict=True):
-            taken = key in seen or slot in seen or slot_charges[slot] or self.holds(key)
-            if taken or not self.allocator.is_allocated(slot) or not 1 <= size <= full:
+            taken = key in seen_keys or slot in seen_slots or slot_charges[slot]
+            if (
+                taken
+                or (held_any and self.holds(key))
+                or not allocated(slot)
+                or not (1 <= size <= full)
+            ):
                 raise BlockStateError(
                     f"tier {self.name!r}: cannot restore {key.hex()} in slot {slot} charged "
                     f"{size}: taken, not allocated, or outside 1..{full}"
                 )
-            seen.update((key, slot))
+            seen_keys.add(key)
+            seen_slots.add(slot)
         total = sum(sizes)
         if self.bytes_held + total > budget:
             raise BlockStateError(
