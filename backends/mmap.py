@@ -495,7 +495,8 @@ class MmapBackend(Backend):
                 # More than the budget (a crash before cleared headers reached the
                 # disk, or a reserve that grew): the least recently used go, so the
                 # books can take the rest.
-                for _, slot, _ in sorted(best.values(), key=lambda v: v[2]):
+                # (atime, seq): a batch shares one write time; its order is its seq.
+                for _, slot, _ in sorted(best.values(), key=lambda v: (v[2], v[0])):
                     if total <= budget[0]:
                         break
                     if slot in kept:

@@ -195,13 +195,19 @@ class PackedCrashMachine(RuleBasedStateMachine):
         if unplaced:
             event("write: a block found no room")
             self.b.free(unplaced)
-        # As the books would: the blocks held stay within the budget, the least
-        # recently written going first (a reopen over the budget drops the least
-        # recently used, which the model does not predict).
+
+    def _make_room(self, n: int, keep: int | None = None) -> None:
+        """As the books do before a store: the blocks held plus ``n`` new ones at full
+        size stay within the budget, the least recently written going first (a
+        reopen over the budget drops the least recently used, which a model that
+        evicted after the write would not predict). ``keep``: a slot being rewritten,
+        whose extent the write frees."""
         budget = self.b.budget()
         assert budget is not None
-        held = {slot: int(self.b.space.pages[slot]) * 4096 for slot in self.live}  # type: ignore[union-attr]
-        while sum(held.values()) > budget[0]:
+        space = self.b.space
+        assert space is not None
+        held = {s: int(space.pages[s]) * 4096 for s in self.live if s != keep}
+        while held and sum(held.values()) + n * self.b.stride > budget[0]:
             oldest = min(held, key=lambda slot: self.stamp[slot])
             del held[oldest]
             self._gone(oldest, len(self.rec.log))
@@ -287,6 +293,7 @@ class PackedCrashMachine(RuleBasedStateMachine):
         n = min(len(kinds), self.b.num_free)
         if n == 0:
             return
+        self._make_room(n)
         slots = self.b.allocate(n)
         assert slots is not None
         self._store(slots, [self._new_key(kind) for kind in kinds[:n]])
@@ -304,6 +311,7 @@ class PackedCrashMachine(RuleBasedStateMachine):
     @rule(pick=st.integers(0, 1 << 16), kind=st.sampled_from(KINDS))
     def overwrite(self, pick: int, kind: str) -> None:
         slot = sorted(self.live)[pick % len(self.live)]
+        self._make_room(1, keep=slot)
         self._gone(slot, len(self.rec.log))  # its extent is freed before any write
         self._store([slot], [self._new_key(kind)])
 
@@ -316,6 +324,7 @@ class PackedCrashMachine(RuleBasedStateMachine):
         freed = [k for k in self.data if k not in held]
         if not self.b.num_free:
             return
+        self._make_room(1)
         slots = self.b.allocate(1)
         assert slots is not None
         self._store(slots, [freed[pick % len(freed)]])
