@@ -1001,9 +1001,12 @@ def test_aborted_requests_leave_no_pins_holds_or_prefetches(
     # pinned in the cpu tier for the claims to come: something was the requests' when
     # they were aborted (lookups and prefetches run on their own threads, so which of
     # these it was varies: in one run all 20 prefetches had landed within the step,
-    # leaving 40 blocks pinned and no claim yet).
+    # leaving 40 blocks pinned and no claim yet; in another the claims had been decided
+    # and their blocks loaded by the time the health was read, nothing held then, 220
+    # blocks loaded).
     before = first["health_before_abort"]
-    assert before["claims"] + before["holds"] + before["pinned"][0] > 0, json.dumps(first)
+    held = before["claims"] + before["holds"] + before["pinned"][0]
+    assert held > 0 or first["counters"]["blocks_loaded"] > 0, json.dumps(first)
     assert first["finished_before_abort"] < first["submitted"], json.dumps(first)
     # How many had loaded by the fourth step follows the lookups' thread: not exact.
     assert results[2]["abort"]["counters"]["blocks_loaded"] > 0, json.dumps(results[2]["abort"])
