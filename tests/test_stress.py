@@ -33,10 +33,20 @@ def _config(tiers: list[dict[str, Any]], eviction: str = "lru") -> dict[str, Any
     return {"tiers": tiers, "eviction": eviction, "stress": SMALL_STRESS}
 
 
-def _run(raw: dict[str, Any], ops: int = 300, seed: int = 0) -> Any:
+def _run(raw: dict[str, Any], ops: int = 300, seed: int = 0, rounds: int = 1) -> Any:
+    """A stress run of ``ops`` requests, in ``rounds`` runs of one runner (the report
+    adds them up). Each run ends by draining the lanes; so with several rounds, a lower
+    tier is written even when one of its writes stalls (a loaded CI disk) longer than
+    the ops take: a run of 300 ops takes well under a second here, and the first tier,
+    its blocks pinned until the copy below has read them, refuses stores meanwhile."""
     runner = StressRunner(load_config(raw), seed=seed)
     try:
-        return runner.run(ops=ops, duration_s=60)
+        done = 0
+        for _ in range(rounds):
+            rep = runner.run(ops=ops // rounds, duration_s=60)
+            done += rep.ops
+        rep.ops = done
+        return rep
     finally:
         runner.close()
 
@@ -276,7 +286,7 @@ def test_every_workload_through_three_small_tiers_is_clean(
     raw = _config(_chain(tmp_path, cpu=24, ssd=40, db=80))
     raw["stress"] = {**SMALL_STRESS, "pool_blocks": 256, "concurrency": 8, "workload": workload}
     raw["stress"].update(extra)
-    rep = _run(raw, ops=250)
+    rep = _run(raw, ops=250, rounds=5)
     assert rep.integrity_errors == 0
     assert rep.ops == 250
     cpu, ssd, db = rep.tiers
@@ -386,7 +396,7 @@ def test_compressed_tiers_under_stress_report_what_they_store(tmp_path: Path, da
     tiers[2]["compression"] = "lz4"
     raw = _config(tiers)
     raw["stress"] = {**raw["stress"], "data": data}
-    rep = _run(raw)
+    rep = _run(raw, rounds=10)
     assert rep.integrity_errors == 0
     cpu, ssd, db = rep.tiers
     assert cpu.compression == "none"
