@@ -36,7 +36,6 @@ from typing import Annotated, Any, Final, Literal, Union
 import yaml
 from pydantic import (
     BaseModel,
-    BeforeValidator,
     ConfigDict,
     Discriminator,
     Field,
@@ -48,14 +47,23 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic.json_schema import WithJsonSchema
 from pydantic_core import PydanticCustomError
 
 from kvoffload import plugins
-from kvoffload.codec import require_blosc2
+
+# Re-exported (``X as X``): the tier settings were declared here before each tier
+# became a package, and ``kvoffload.config.MmapTierConfig`` and the like keep working.
+from kvoffload.backends.cpu.settings import CPUTierConfig as CPUTierConfig
+from kvoffload.backends.lmdb.settings import LmdbTierConfig as LmdbTierConfig
+from kvoffload.backends.mmap.settings import MmapTierConfig as MmapTierConfig
 from kvoffload.exceptions import ConfigError, RegistryError
 from kvoffload.layout import DTYPE_NAMES, KVLayout
-from kvoffload.sizes import SIZE_HINT, parse_size
+from kvoffload.tierconfig import MODEL_CONFIG
+from kvoffload.tierconfig import ByteSize as ByteSize
+from kvoffload.tierconfig import Compression as Compression
+from kvoffload.tierconfig import DiskTierConfig as DiskTierConfig
+from kvoffload.tierconfig import TierConfig as TierConfig
+from kvoffload.tierconfig import check_compression as check_compression
 
 ENV_PREFIX: Final = "KVOFFLOAD_"
 ENV_CONFIG_FILE: Final = "KVOFFLOAD_CONFIG"
@@ -70,143 +78,6 @@ _RESERVED_ENV: Final = frozenset(
         "KVOFFLOAD_CUDA_GRAPHS",
     }
 )
-
-ByteSize = Annotated[
-    int,
-    BeforeValidator(parse_size),
-    WithJsonSchema(
-        {
-            "anyOf": [
-                {"type": "integer", "exclusiveMinimum": 0},
-                # The units of parse_size, case-insensitively (JSON Schema has no flags).
-                {
-                    "type": "string",
-                    "pattern": r"^\s*\d+(\.\d+)?\s*([KkMmGgTt]([Ii]?[Bb])?|[Bb])?\s*$",
-                },
-            ],
-            "description": SIZE_HINT,
-        }
-    ),
-]
-"""A byte count; accepts ints and strings like ``"512MiB"``; validated as positive."""
-
-_MODEL_CONFIG: Final = ConfigDict(
-    extra="forbid",
-    use_attribute_docstrings=True,
-    validate_default=True,
-    frozen=True,
-    # A ValidationError's own text (seen by whoever validates a model directly; ours
-    # go through _format_errors) would quote whole tiers, secrets included.
-    hide_input_in_errors=True,
-)
-
-
-class TierConfig(BaseModel):
-    """Settings every tier has. Backends with more settings subclass this."""
-
-    model_config = _MODEL_CONFIG
-
-    name: str = Field(default="tier", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-    """Unique tier name, used in logs, metrics and CLI output (letters, digits, ``_.-``)."""
-    backend: str = "cpu"
-    """Registered backend name (entry-point group ``kvoffload.backends``)."""
-    capacity: ByteSize = 1024**3
-    """Bytes of block data this tier may hold, e.g. ``"4GiB"``; slot headers count too."""
-    write_policy: Literal["write_through", "on_evict"] = "write_through"
-    """How this tier is filled from the tier above it (ignored on the first tier, which
-    takes the engine's stores). ``write_through``: a copy is queued as soon as the
-    block is stored above, so it survives the upper tier's loss. ``on_evict``: the block
-    is copied down only when the tier above evicts it, which writes less."""
-    admit_after_hits: int = Field(default=0, ge=0)
-    """Admission filter: copy a block into this tier only once it has been loaded this
-    many times (``0``: admit every block). Protects an SSD from one-shot blocks."""
-    max_pending_stores: int = Field(default=8, ge=1, le=4096)
-    """Backpressure: store jobs into this tier queued or running at once. A store that
-    finds the queue full is dropped and counted; the caller never waits."""
-    max_store_delay_ms: float | None = Field(default=None, gt=0)
-    """Backpressure by latency: drop new stores while the queued jobs would take longer
-    than this to drain (queue depth x recent job time). ``null``: queue depth only."""
-    write_throttle: ByteSize | None = None
-    """Test knob: cap this tier's write rate at this many bytes per second (sleeping
-    after each write), to simulate a slow disk. ``null``: full speed."""
-    breaker_errors: int = Field(default=5, ge=0)
-    """Circuit breaker: after this many failed reads or writes in a row, bypass the
-    tier for ``breaker_backoff_ms`` (no stores into it, no loads from it: misses),
-    then try it again; one success closes the breaker. ``0``: never bypass. A failing
-    disk then costs a few errors per back-off instead of an error per batch."""
-    breaker_backoff_ms: float = Field(default=5000.0, gt=0)
-    """How long a tripped breaker bypasses the tier before the next try."""
-
-
-class CPUTierConfig(TierConfig):
-    """Pinned host memory: one slab allocated once at start-up."""
-
-    backend: Literal["cpu"] = "cpu"
-    """Selects the pinned-CPU backend."""
-    pin_memory: bool | None = None
-    """Page-lock the slab for fast DMA. ``null``: only when CUDA is available."""
-
-
-Compression = Literal["none", "lz4", "zstd"]
-"""A tier's ``compression``: the names of :data:`kvoffload.codec.CODECS`."""
-
-
-def check_compression(name: str) -> str:
-    """A codec other than ``none`` needs blosc2, which is optional: refuse it at load
-    time, not at the first store."""
-    require_blosc2("compression", name)
-    return name
-
-
-class DiskTierConfig(TierConfig):
-    """Settings shared by the persistent tiers."""
-
-    path: str = Field(min_length=1)
-    """Directory holding the tier's files; created if missing. Required: a default would
-    put the tier wherever the engine happens to start, and two tiers that both left it
-    out would share it. Relative paths are taken from the current directory. One writer
-    process per directory, and no tier's directory inside another's."""
-    compression: Compression = "none"
-    """Lossless compression of each block as stored: ``none``, ``lz4`` (faster) or
-    ``zstd`` (smaller); blosc2 with a shuffle by the cache dtype's size
-    (``pip install 'kvoffload[compress]'``). Checksums cover the stored bytes. A
-    block that does not shrink is stored raw. Changing it keeps the tier's blocks
-    readable. On ``mmap`` a compressed block uses the front of its slot (less I/O, the
-    same slot count); on ``lmdb`` it takes only its compressed size on disk."""
-
-    _compression = field_validator("compression")(check_compression)
-    fsync: bool = True
-    """``true``: flush to the device after every store batch, so a block whose store
-    completed survives power loss. ``false``: completed stores survive a process crash
-    (``kill -9``); a power cut may lose recent ones. The checksums keep a torn payload
-    from ever being served either way, but with ``false`` an LMDB environment itself
-    may be damaged by a power cut (LMDB's own caveat for unsynced writes)."""
-
-
-class MmapTierConfig(DiskTierConfig):
-    """SSD slab: preallocated files of fixed-size, 4096-aligned slots."""
-
-    backend: Literal["mmap"] = "mmap"
-    """Selects the SSD slab backend."""
-    direct_io: Literal["auto", "on", "off"] = "auto"
-    """``auto``: O_DIRECT where the filesystem allows it (probed at open, logged),
-    buffered I/O otherwise. ``on``: fail to open without O_DIRECT. ``off``: buffered."""
-    io_threads: int = Field(default=8, ge=1, le=64)
-    """Threads issuing ``pwritev``/``preadv`` concurrently; NVMe needs several in flight."""
-    max_file_bytes: ByteSize = 64 * 1024**3
-    """Largest slab file; a bigger capacity is split over several files."""
-    preallocate: bool = True
-    """Reserve the files' blocks at open (``posix_fallocate``), so a full disk shows up
-    at start-up rather than as failed stores later."""
-
-
-class LmdbTierConfig(DiskTierConfig):
-    """LMDB: one environment, key = block key, value = header + payload."""
-
-    backend: Literal["lmdb"] = "lmdb"
-    """Selects the LMDB backend."""
-    readonly: bool = False
-    """Open for reading only: several processes may read a tier one process writes."""
 
 
 class PluginTierConfig(TierConfig):
@@ -370,15 +241,16 @@ def plugin_config_model(backend: str) -> type[TierConfig]:
     Found through :mod:`kvoffload.plugins`, the name table the backend registry is built
     on, rather than through :mod:`kvoffload.registry`: the config sits below the backend
     layer and must stay importable, and usable for the built-in tiers, without it (and
-    without torch). Looking a plugin up imports the plugin's code, torch included; only
-    a config that names one pays for that. Raises
+    without torch). The model is the ``SETTINGS`` of the entry point's module where it
+    has one (the built-in tiers' packages, from torch-free ``settings`` modules: a
+    ``redis`` tier validates without torch); else the backend class is loaded, the
+    plugin's code and torch with it, and its ``config_model`` is the model. Raises
     :class:`~kvoffload.exceptions.RegistryError` for an unknown name, an entry point that
     fails to import, or one that is not a backend (has no ``TierConfig`` model).
     """
-    target = plugins.lookup(backend)
-    model = getattr(target, "config_model", None)
-    if not (isinstance(target, type) and isinstance(model, type) and issubclass(model, TierConfig)):
-        raise plugins.not_a_backend(backend, target)
+    model = plugins.settings_model(backend)
+    if not (isinstance(model, type) and issubclass(model, TierConfig)):
+        raise plugins.not_a_backend(backend, plugins.lookup(backend))
     return model
 
 
@@ -392,7 +264,7 @@ def resolve_tier_config(tier: TierConfig) -> TierConfig:
 class LayoutConfig(BaseModel):
     """The simulated model's KV layout, for ``kvoffload stress``."""
 
-    model_config = _MODEL_CONFIG
+    model_config = MODEL_CONFIG
 
     num_layers: int = Field(default=8, gt=0)
     """Attention layers."""
@@ -421,7 +293,7 @@ memory through the block counts (``pool_blocks``, tier capacities), not the layo
 class StressConfig(BaseModel):
     """Defaults of ``kvoffload stress``; the CLI's flags override them."""
 
-    model_config = _MODEL_CONFIG
+    model_config = MODEL_CONFIG
 
     layout: LayoutConfig = LayoutConfig()
     """Simulated KV layout."""
@@ -524,7 +396,7 @@ def _default_tier_list() -> list[
 class KVOffloadConfig(BaseModel):
     """Top-level kvoffload configuration."""
 
-    model_config = _MODEL_CONFIG
+    model_config = MODEL_CONFIG
 
     version: Literal[1] = 1
     """Schema version of this file. A file for a newer kvoffload is refused rather than

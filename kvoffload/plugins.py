@@ -16,6 +16,7 @@ distribution.
 
 from __future__ import annotations
 
+import importlib
 import threading
 from importlib.metadata import EntryPoint, entry_points
 from types import MappingProxyType
@@ -126,6 +127,29 @@ def lookup(name: str) -> object:
         ) from exc
     with _lock:
         return _loaded.setdefault(name, loaded)
+
+
+def settings_model(name: str) -> object:
+    """What ``name``'s entry point names as its settings model, without loading the
+    backend when it can: the ``SETTINGS`` of the entry point's module (a built-in tier's
+    package exports it from a torch-free ``settings`` module, and a third-party one may
+    do the same), else the loaded object's ``config_model``. ``None`` when neither is
+    there; the caller decides what that means. Errors as :func:`lookup`."""
+    entries = _get_entries()
+    with _lock:
+        loaded = _loaded.get(name)
+    ep = entries.get(name)
+    if loaded is None and ep is not None:
+        try:
+            module = importlib.import_module(ep.module)
+        except Exception as exc:
+            raise RegistryError(
+                f"{describe_entry_point(ep)} failed to import: {type(exc).__name__}: {exc}"
+            ) from exc
+        model = getattr(module, "SETTINGS", None)
+        if model is not None:
+            return model
+    return getattr(lookup(name), "config_model", None)
 
 
 def register(name: str, obj: object, *, clobber: bool = False) -> None:

@@ -18,7 +18,7 @@ import zlib
 from pathlib import Path
 
 import xxhash
-from kvoffload.backends import mmap as mmap_backend
+from kvoffload.backends.mmap import backend as mmap_backend
 
 from kvoffload.blockpool import byte_view, page_aligned_empty
 from kvoffload.config import MmapTierConfig

@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import random
 
-from kvoffload.backends.mmap_extents import PackedSpace
+from kvoffload.backends.mmap.extents import PackedSpace
 
 from kvoffload.keys import BlockKey
 from kvoffload.lru_manager import LRUOffloadingManager

@@ -347,8 +347,8 @@ def test_cpu_tier_queue_read_write_bit_exact(monkeypatch: pytest.MonkeyPatch) ->
     order = [slots[i] for i in (7, 0, 11, 3, 4, 5, 10, 1)]
     keys = [BlockKey(i.to_bytes(16, "little")) for i in range(len(order))]
     data = torch.randint(0, 256, (len(order), layout.bytes_per_block), dtype=torch.uint8)
-    monkeypatch.setattr("kvoffload.backends.cpu.worth_choosing", lambda nbytes: True)
-    monkeypatch.setattr("kvoffload.backends.cpu.CPUBackend._rows_per_call", lambda self: 3)
+    monkeypatch.setattr("kvoffload.backends.cpu.backend.worth_choosing", lambda nbytes: True)
+    monkeypatch.setattr("kvoffload.backends.cpu.backend.CPUBackend._rows_per_call", lambda self: 3)
     for write_with, read_with in ((0, 1), (1, 0), (1, 1)):
         monkeypatch.setattr(tier._write_pick, "pick", lambda w=write_with: w)
         monkeypatch.setattr(tier._read_pick, "pick", lambda r=read_with: r)

@@ -68,6 +68,13 @@ LAYERS: Final[dict[int, tuple[str, tuple[str, ...]]]] = {
         "basic data",
         (
             "config",
+            # The settings every tier shares, and each built-in tier's own, beside the
+            # config that puts them together: torch-free data, like it.
+            "tierconfig",
+            "backends.cpu.settings",
+            "backends.lmdb.settings",
+            "backends.mmap.settings",
+            "backends.redis.settings",
             "keys",
             "layout",
             "sizes",
@@ -310,7 +317,7 @@ def test_every_module_is_found() -> None:
         assert name in modules, f"{name} not found; found {sorted(modules)}"
     pairs = {(e.src, e.dst) for e in import_graph(modules)}
     assert ("kvoffload.tools.cli", "kvoffload.config") in pairs
-    assert ("kvoffload.backends.mmap", "kvoffload.backend") in pairs
+    assert ("kvoffload.backends.mmap.backend", "kvoffload.backend") in pairs
 
 
 def test_every_module_has_a_layer() -> None:

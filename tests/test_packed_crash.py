@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import kvoffload.backends.mmap as mmap_backend
+import kvoffload.backends.mmap.backend as mmap_backend
 import numpy as np
 import pytest
 import torch

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from kvoffload.backends.mmap import ALIGN, MmapBackend
-from kvoffload.backends.mmap_extents import resolve
+from kvoffload.backends.mmap.extents import resolve
 from support.blocks import LAYOUT, POOL, make_keys
 
 from kvoffload.blockpool import BlockPool

@@ -1,4 +1,4 @@
-"""The redis tier's reply parser (``backends/redis_read.py``) over a real socket pair.
+"""The redis tier's reply parser (``backends/redis/read.py``) over a real socket pair.
 
 The server-side cases (foreign values, WRONGTYPE, timeouts, a server killed mid-read,
 resharding) run against real servers in ``test_backend_redis.py``; here the byte
@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from kvoffload.backends.redis_read import ReadSink, Sinks, Sunk, direct_get_parser
+from kvoffload.backends.redis.read import ReadSink, Sinks, Sunk, direct_get_parser
 from redis.exceptions import ConnectionError, ResponseError
 
 from kvoffload.record import HEADER_BYTES, HEADER_DTYPE, payload_checksum

@@ -57,7 +57,7 @@ import torch
 from redis.cluster import ClusterNode, RedisCluster
 
 from kvoffload.backends.redis import RedisBackend, RedisTierConfig, make_client
-from kvoffload.backends.redis_read import ReadSink, Sinks, Sunk
+from kvoffload.backends.redis.read import ReadSink, Sinks, Sunk
 from kvoffload.blockpool import page_aligned_empty
 from kvoffload.config import TierConfig
 from kvoffload.keys import BlockKey, chain_key

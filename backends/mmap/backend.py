@@ -52,7 +52,7 @@ from typing import Any, Final
 
 import numpy as np
 import torch
-from kvoffload.backends.mmap_extents import PackedSpace, resolve
+from kvoffload.backends.mmap.extents import PackedSpace, resolve
 
 from kvoffload.backend import Backend, RecoveredBlock
 from kvoffload.codec import CodecStats, Packer, codec_named
