@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import ClassVar, final
 
 import torch
@@ -42,6 +42,28 @@ class RecoveredBlock:
     """Bytes it takes in a tier with a :meth:`Backend.budget` (0: the full charge)."""
 
 
+@dataclass(frozen=True, slots=True)
+class BackendStats:
+    """What only a backend can say about its tier, read in one call (:meth:`Backend.stats`).
+
+    The books count what they plan and settle; this is the rest: what the medium saw and
+    what the codec did. One snapshot, so a report never mixes two moments."""
+
+    counters: Mapping[str, int] = field(default_factory=dict)
+    """Totals since the backend opened, by tier counter name: the counters of
+    :data:`~kvoffload.metrics.TIER_METRICS` declared with ``source="backend"``
+    (``round_trips``, ``server_errors``, and for a backend that may compress
+    ``logical_bytes`` and ``stored_bytes``); other names are ignored. Left out, they
+    read 0, but for ``logical_bytes`` and ``stored_bytes``, which then both read the
+    books' ``bytes_written``: a backend that does not say it compresses stores raw."""
+    codec: CodecStats | None = None
+    """What the tier's codec did so far; ``None`` for a backend that never compresses."""
+    held: tuple[int, int] | None = None
+    """``(logical_bytes, stored_bytes)`` of the blocks held now: as the engine gave them,
+    and as they sit in the tier (less when compressed). ``None``: the backend keeps no
+    count (the tier then reports its manager's blocks times ``bytes_per_block``)."""
+
+
 class Backend(ABC):
     """Fixed-size slots of one tier. Construct with ``(tier_config, layout)``."""
 
@@ -55,6 +77,11 @@ class Backend(ABC):
     :class:`~kvoffload.server_manager.ServerBookedManager`, which asks :meth:`exists`
     at each lookup, instead of a local LRU; slots are nominal and values are
     addressed by key."""
+
+    record_access: bool = True
+    """Whether a read counts as a use: a persistent backend that keeps access times
+    (recovery orders the LRU by them) refreshes a block's on a load. The maintenance
+    tools turn it off before they scan a tier, since a scan is not a use."""
 
     def __init__(self, config: TierConfig, layout: KVLayout) -> None:
         self.config = config
@@ -193,6 +220,13 @@ class Backend(ABC):
         config whose capacity changed can never reformat or shrink it."""
         return None
 
+    @classmethod
+    def stored_layout(cls, config: TierConfig) -> KVLayout | None:
+        """The layout an existing tier's blocks were written under, read from its files
+        without opening it for use (the maintenance tools open a tier with it when the
+        config does not say). ``None``: this backend does not record it."""
+        return None
+
     def recover(self) -> list[RecoveredBlock]:
         """Blocks found intact at open, oldest access first; their slots are already
         marked allocated. Called once, right after construction. Non-persistent
@@ -220,6 +254,14 @@ class Backend(ABC):
         ``logical_bytes`` and ``stored_bytes``, which then both read the books'
         ``bytes_written``: a backend that does not say it compresses stores raw)."""
         return {}
+
+    def stats(self) -> BackendStats:
+        """Everything the backend counts itself, in one snapshot (:class:`BackendStats`).
+        Read whenever the tier's stats are (every stats poll, under the books' lock) and
+        by the tools' reports, so it must be a few attribute reads: no I/O, no lock held
+        for long. The default assembles :meth:`io_counters`, :meth:`codec_stats` and
+        :meth:`footprint`, the hooks a backend written before this method overrides."""
+        return BackendStats(self.io_counters(), self.codec_stats(), self.footprint())
 
     def check(self) -> list[str]:
         """Consistency problems found (empty when consistent)."""
