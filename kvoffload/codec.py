@@ -33,11 +33,14 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Final, TypeVar
+from typing import Any, Final, Literal, TypeVar
 
 import numpy as np
 
 NONE_ID: Final = 0
+Compression = Literal["none", "lz4", "zstd"]
+"""A tier's ``compression``: the names of :data:`CODECS`, declared once (the tiers'
+settings take it from here; a test holds the two together)."""
 _T = TypeVar("_T")
 _R = TypeVar("_R")
 
@@ -46,7 +49,7 @@ _R = TypeVar("_R")
 class Codec:
     """One ``compression`` setting: how a tier's payloads are packed."""
 
-    name: str
+    name: Compression
     id: int
     """Stored in each record header; 0 is ``none``. Never reused for another codec."""
     blosc_codec: str = ""
@@ -237,6 +240,7 @@ __all__ = [
     "NONE_ID",
     "Codec",
     "CodecStats",
+    "Compression",
     "Packer",
     "codec_named",
     "parallel_map",

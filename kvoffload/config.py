@@ -11,59 +11,73 @@ list indices as numbers: ``KVOFFLOAD_EVICTION=arc``,
 ``KVOFFLOAD_TIERS__0__CAPACITY=2GiB``. Values are parsed as YAML scalars.
 ``KVOFFLOAD_CONFIG`` names the file to load when none is given.
 
-Secrets: a plugin's settings field typed :class:`~pydantic.SecretStr` (the ``redis``
-tier's ``password`` and ``username``) is a secret. Once a plugin tier is validated it
-holds the plugin model's validated values of its own fields, so a secret is a
-``SecretStr`` in the tier too: masked in every ``repr``, ``str`` and JSON dump, and
-intact in a Python ``model_dump()`` (which re-validates, e.g. for ``kvoffload stress``'s
-replicas) and in the typed config the backend receives (:func:`resolve_tier_config`).
-A validation error about a secret field shows ``'**********'`` for its value, and an
-error that quotes a whole tier masks its secrets (:func:`_scrub`).
+Its parts live in their own modules, and every name is importable from here too:
+each tier's settings in ``kvoffload.backends.<tier>.settings`` and the shared ones in
+:mod:`kvoffload.tierconfig`, the union of tiers (plugin tiers included) in
+:mod:`kvoffload.tierunion`, the masking of secrets in errors in :mod:`kvoffload.redact`,
+and the ``stress`` section in :mod:`kvoffload.tools.stressconfig`. This module puts them
+together (:class:`KVOffloadConfig`), loads a file or a mapping with the environment's
+overrides, turns pydantic's errors into one line, and gives the JSON Schema.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
 import re
 import types
 import typing
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Final, Literal, Union
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 import yaml
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Discriminator,
-    Field,
-    Secret,
-    SecretBytes,
-    SecretStr,
-    Tag,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
-from pydantic_core import PydanticCustomError
+from pydantic import BaseModel, Field, ValidationError, field_validator
 
-from kvoffload import plugins
-
-# Re-exported (``X as X``): the tier settings were declared here before each tier
-# became a package, and ``kvoffload.config.MmapTierConfig`` and the like keep working.
+# Re-exported (``X as X``): declared here before the config was split, and
+# ``kvoffload.config.MmapTierConfig``, ``.StressConfig`` and the like keep working.
 from kvoffload.backends.cpu.settings import CPUTierConfig as CPUTierConfig
 from kvoffload.backends.lmdb.settings import LmdbTierConfig as LmdbTierConfig
 from kvoffload.backends.mmap.settings import MmapTierConfig as MmapTierConfig
-from kvoffload.exceptions import ConfigError, RegistryError
-from kvoffload.layout import DTYPE_NAMES, KVLayout
-from kvoffload.tierconfig import MODEL_CONFIG
-from kvoffload.tierconfig import ByteSize as ByteSize
+from kvoffload.exceptions import ConfigError
+from kvoffload.redact import SECRET_MASK as SECRET_MASK
+from kvoffload.redact import scrub
+from kvoffload.redact import secret_fields as secret_fields
+from kvoffload.tierconfig import MODEL_CONFIG as MODEL_CONFIG
+from kvoffload.tierconfig import Bytes as Bytes
 from kvoffload.tierconfig import Compression as Compression
 from kvoffload.tierconfig import DiskTierConfig as DiskTierConfig
+from kvoffload.tierconfig import PolicyName as PolicyName
 from kvoffload.tierconfig import TierConfig as TierConfig
 from kvoffload.tierconfig import check_compression as check_compression
+from kvoffload.tierunion import BUILTIN_TIERS, TIER_FIELD_ERROR, check_tier_list
+from kvoffload.tierunion import AnyTierConfig as AnyTierConfig
+from kvoffload.tierunion import PluginTierConfig as PluginTierConfig
+from kvoffload.tierunion import plugin_config_model as plugin_config_model
+from kvoffload.tierunion import resolve_tier_config as resolve_tier_config
+from kvoffload.tools.stressconfig import LAYOUT_PRESETS as LAYOUT_PRESETS
+from kvoffload.tools.stressconfig import LayoutConfig as LayoutConfig
+from kvoffload.tools.stressconfig import StressConfig as StressConfig
+from kvoffload.tools.stressconfig import layout_from_config as layout_from_config
+
+if TYPE_CHECKING:
+    ByteSize = Bytes
+    """Deprecated: :data:`Bytes` (this name hid pydantic's own ``ByteSize``)."""
+else:
+
+    def __getattr__(name: str) -> Any:
+        """``ByteSize``, the old name of :data:`Bytes`, with a ``DeprecationWarning``."""
+        if name == "ByteSize":
+            warnings.warn(
+                "kvoffload.config.ByteSize is deprecated; use kvoffload.config.Bytes "
+                "(the name hid pydantic.ByteSize)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            return Bytes
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 ENV_PREFIX: Final = "KVOFFLOAD_"
 ENV_CONFIG_FILE: Final = "KVOFFLOAD_CONFIG"
@@ -78,313 +92,6 @@ _RESERVED_ENV: Final = frozenset(
         "KVOFFLOAD_CUDA_GRAPHS",
     }
 )
-
-
-class PluginTierConfig(TierConfig):
-    """A tier served by a third-party backend; its own model validates extra keys."""
-
-    model_config = ConfigDict(
-        extra="allow",
-        use_attribute_docstrings=True,
-        validate_default=True,
-        frozen=True,
-        hide_input_in_errors=True,
-        json_schema_extra=lambda schema: _exclude_builtins(schema),
-    )
-
-    @model_validator(mode="after")
-    def _check_plugin(self) -> PluginTierConfig:
-        try:
-            model = plugin_config_model(self.backend)
-        except RegistryError as exc:
-            raise _tier_error(("backend",), self.backend, str(exc)) from None
-        if model is not TierConfig and model is not PluginTierConfig:
-            # Validate with the plugin's own model so its typos and bad values are
-            # reported like ours; a validated copy is what the backend receives
-            # (resolve_tier_config).
-            try:
-                typed = model.model_validate(self.model_dump())
-            except ValidationError as exc:
-                err = exc.errors()[0]
-                loc = tuple(err["loc"])
-                allowed = list(model.model_fields) if len(loc) == 1 else None
-                value, msg = err.get("input"), err["msg"]
-                secrets = secret_fields(model)
-                if loc and loc[0] in secrets:
-                    value = SECRET_MASK
-                    if err["type"] == "string_type":
-                        msg += " (quote it in YAML; the value is not shown)"
-                else:
-                    value = _scrub(value, secrets)
-                raise _tier_error(loc, value, msg, err["type"], allowed) from None
-            # Hold the plugin's validated values of its own fields from now on: a
-            # secret is then a SecretStr here too (masked in reprs and JSON dumps), and
-            # what the plugin moved out of a printable field (credentials out of a url)
-            # is out of it here as well. Re-validating them gives the same config.
-            extra = self.__pydantic_extra__
-            if extra is not None:
-                for name in model.model_fields.keys() - TierConfig.model_fields.keys():
-                    if name in extra or name in typed.model_fields_set:
-                        extra[name] = getattr(typed, name)
-        elif self.model_extra:
-            key = sorted(self.model_extra)[0]
-            raise _tier_error(
-                (key,),
-                self.model_extra[key],
-                f"unknown keys {sorted(self.model_extra)} for backend {self.backend!r}, "
-                "which takes only name, backend and capacity",
-            )
-        return self
-
-
-SECRET_MASK: Final = "**********"
-"""What an error shows for a secret's value (pydantic's own mask)."""
-_SECRET_TYPES: Final = (SecretStr, SecretBytes, Secret)
-_SECRET_NAME: Final = re.compile(r"pass|secret|token", re.IGNORECASE)
-"""Keys masked in a quoted mapping whatever its tier (an unknown plugin's, say)."""
-_URL_CREDENTIALS: Final = re.compile(r"(://)[^/?#\s]*@")
-
-
-def secret_fields(model: type[BaseModel]) -> frozenset[str]:
-    """The fields of ``model`` typed as a pydantic secret (``SecretStr``, optional or
-    not): what no error message, repr or log may show."""
-    return frozenset(
-        name for name, field in model.model_fields.items() if _is_secret(field.annotation)
-    )
-
-
-def _is_secret(annotation: Any) -> bool:
-    if isinstance(annotation, type) and issubclass(annotation, _SECRET_TYPES):
-        return True
-    return any(_is_secret(arg) for arg in typing.get_args(annotation))
-
-
-def _scrub(value: Any, secrets: frozenset[str] = frozenset()) -> Any:
-    """``value`` as an error may quote it: in every mapping inside it, the values of
-    secret keys masked (``secrets``, the tier's plugin's own, found from its
-    ``backend`` where not given, and any key named like a password or token), and
-    credentials cut out of url-like strings. Other values are returned as they are."""
-    if isinstance(value, str):
-        return _URL_CREDENTIALS.sub(r"\1***@", value)
-    if isinstance(value, list | tuple):
-        return type(value)(_scrub(v, secrets) for v in value)
-    if not isinstance(value, Mapping):
-        return value
-    hidden = set(secrets)
-    backend = value.get("backend")
-    if isinstance(backend, str) and backend not in _BUILTIN_TIERS:
-        with contextlib.suppress(RegistryError):  # an unknown backend: names only
-            hidden |= secret_fields(plugin_config_model(backend))
-    return {
-        k: SECRET_MASK
-        if v is not None and (k in hidden or (isinstance(k, str) and _SECRET_NAME.search(k)))
-        else _scrub(v)
-        for k, v in value.items()
-    }
-
-
-def _tier_error(
-    loc: tuple[int | str, ...],
-    value: Any,
-    message: str,
-    kind: str = "value_error",
-    allowed: list[str] | None = None,
-) -> PydanticCustomError:
-    """An error about the field ``loc`` inside a tier; :func:`_format_errors` places it."""
-    ctx = {"message": message, "loc": loc, "value": value, "kind": kind, "allowed": allowed}
-    return PydanticCustomError("tier_field", "{message}", ctx)
-
-
-_BUILTIN_TIERS: Final[dict[str, type[TierConfig]]] = {
-    "cpu": CPUTierConfig,
-    "mmap": MmapTierConfig,
-    "lmdb": LmdbTierConfig,
-}
-
-
-def _exclude_builtins(schema: dict[str, Any]) -> None:
-    """In the JSON Schema, a plugin tier is one whose backend is not built in, so each
-    tier matches exactly one branch of ``oneOf``."""
-    backend = schema["properties"]["backend"]
-    backend["not"] = {"enum": sorted(_BUILTIN_TIERS)}
-
-
-def _tier_tag(value: Any) -> str | None:
-    if isinstance(value, dict):
-        # A tier without ``backend`` gets the default one, so validate it as that.
-        backend = value.get("backend", TierConfig.model_fields["backend"].default)
-    elif isinstance(value, TierConfig):
-        backend = value.backend
-    else:
-        return None  # not a mapping: reported with the custom error below
-    return backend if isinstance(backend, str) and backend in _BUILTIN_TIERS else "plugin"
-
-
-AnyTierConfig = Annotated[
-    Union[  # noqa: UP007
-        Annotated[CPUTierConfig, Tag("cpu")],
-        Annotated[MmapTierConfig, Tag("mmap")],
-        Annotated[LmdbTierConfig, Tag("lmdb")],
-        Annotated[PluginTierConfig, Tag("plugin")],
-    ],
-    Discriminator(
-        _tier_tag,
-        custom_error_type="tier_type",
-        custom_error_message="a tier must be a mapping of settings (name, backend, capacity, ...)",
-    ),
-]
-
-
-def plugin_config_model(backend: str) -> type[TierConfig]:
-    """The settings model of the plugin registered as ``backend`` (its ``config_model``).
-
-    Found through :mod:`kvoffload.plugins`, the name table the backend registry is built
-    on, rather than through :mod:`kvoffload.registry`: the config sits below the backend
-    layer and must stay importable, and usable for the built-in tiers, without it (and
-    without torch). The model is the ``SETTINGS`` of the entry point's module where it
-    has one (the built-in tiers' packages, from torch-free ``settings`` modules: a
-    ``redis`` tier validates without torch); else the backend class is loaded, the
-    plugin's code and torch with it, and its ``config_model`` is the model. Raises
-    :class:`~kvoffload.exceptions.RegistryError` for an unknown name, an entry point that
-    fails to import, or one that is not a backend (has no ``TierConfig`` model).
-    """
-    model = plugins.settings_model(backend)
-    if not (isinstance(model, type) and issubclass(model, TierConfig)):
-        raise plugins.not_a_backend(backend, plugins.lookup(backend))
-    return model
-
-
-def resolve_tier_config(tier: TierConfig) -> TierConfig:
-    """The tier config as its backend's own model (plugins get their typed model)."""
-    if isinstance(tier, PluginTierConfig):
-        return plugin_config_model(tier.backend).model_validate(tier.model_dump())
-    return tier
-
-
-class LayoutConfig(BaseModel):
-    """The simulated model's KV layout, for ``kvoffload stress``."""
-
-    model_config = MODEL_CONFIG
-
-    num_layers: int = Field(default=8, gt=0)
-    """Attention layers."""
-    num_kv_heads: int = Field(default=8, gt=0)
-    """KV heads per layer (after GQA)."""
-    head_dim: int = Field(default=128, gt=0)
-    """Elements per head."""
-    block_size: int = Field(default=16, gt=0)
-    """Tokens per block (vLLM's CPU attention needs multiples of 32)."""
-    dtype: Literal[DTYPE_NAMES] = "bfloat16"  # type: ignore[valid-type]
-    """Element type of the KV cache."""
-
-
-LAYOUT_PRESETS: Final[dict[str, dict[str, Any]]] = {
-    "tiny": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 64, "block_size": 16},
-    "small": {"num_layers": 8, "num_kv_heads": 8, "head_dim": 128, "block_size": 16},
-    "qwen2.5-0.5b": {"num_layers": 24, "num_kv_heads": 2, "head_dim": 64, "block_size": 16},
-    "llama3-8b": {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "block_size": 16},
-}
-"""Simulated model layouts for ``stress.preset`` / ``--preset`` (all bfloat16). Block
-bytes: tiny 16 KiB, small 512 KiB, qwen2.5-0.5b 192 KiB, llama3-8b 2 MiB: Llama-3-8B's
-real per-block geometry (32 layers, 8 KV heads of 128, 16 tokens); it is scaled to fit
-memory through the block counts (``pool_blocks``, tier capacities), not the layout."""
-
-
-class StressConfig(BaseModel):
-    """Defaults of ``kvoffload stress``; the CLI's flags override them."""
-
-    model_config = MODEL_CONFIG
-
-    layout: LayoutConfig = LayoutConfig()
-    """Simulated KV layout."""
-    preset: Literal["tiny", "small", "qwen2.5-0.5b", "llama3-8b"] | None = None
-    """A named layout instead of ``layout`` (``--preset``): see ``LAYOUT_PRESETS``."""
-    concurrency: int = Field(default=4, ge=1, le=1024)
-    """Simulated requests in flight at once (``--concurrency``); each holds its own
-    pool blocks from lookup until its store has finished."""
-    pool_blocks: int = Field(default=256, gt=0)
-    """Blocks in the simulated GPU block pool (one request must fit)."""
-    ops: int = Field(default=2000, gt=0)
-    """Requests to run (``--ops``)."""
-    duration_s: float = Field(default=45.0, gt=0)
-    """Upper bound on the run's wall time in seconds (``--duration``)."""
-    seed: int = 0
-    """Seed of the workload and the data generator (``--seed``)."""
-    prefixes: int = Field(default=48, gt=0)
-    """Distinct shared prefixes (system prompts, documents) requests draw from."""
-    zipf_alpha: float = Field(default=1.1, gt=0)
-    """Skew of prefix popularity: prefix ``k`` is drawn with weight ``1/k**alpha``."""
-    prefix_blocks: int = Field(default=24, gt=0)
-    """Most blocks a shared prefix has; each request reuses a random leading part."""
-    suffix_blocks: int = Field(default=4, ge=0)
-    """Blocks unique to each request, after its shared prefix."""
-    data: Literal["random", "kv"] = "random"
-    """Block contents (``--data``): ``random`` bytes, which no codec shrinks (a
-    compressed tier's worst case), or ``kv``: normal values in the layout's dtype,
-    which a byte-shuffling codec shrinks about as much as a real cache's (real KV's
-    ratios: docs/benchmarks.md, "Compression")."""
-    workload: Literal["zipf", "multiturn", "scan", "trace"] = "zipf"
-    """Request stream (``--workload``): ``zipf`` shared prefixes, ``multiturn`` chat
-    sessions growing turn by turn, ``scan`` no reuse at all (the worst case), ``trace``
-    a JSONL request trace in the Mooncake format (``trace``)."""
-    trace: str | None = None
-    """JSONL trace file for ``workload: trace`` (``--trace``); each hash_id is one block."""
-    sessions: int = Field(default=16, gt=0)
-    """``multiturn``: chat sessions in flight at once."""
-    turn_blocks: int = Field(default=2, gt=0)
-    """``multiturn``: blocks each turn appends to its session's history."""
-    max_turns: int = Field(default=12, gt=0)
-    """``multiturn``: turns after which a session ends and a new one starts."""
-    scan_blocks: int = Field(default=16, gt=0)
-    """``scan``: blocks per request, all of them new."""
-
-    def resolved_layout(self) -> LayoutConfig:
-        """``layout``, or the preset's layout when ``preset`` is set."""
-        if self.preset is None:
-            return self.layout
-        return LayoutConfig(**LAYOUT_PRESETS[self.preset])
-
-    @model_validator(mode="after")
-    def _pool_fits_a_request(self) -> StressConfig:
-        if self.preset is not None and "layout" in self.model_fields_set:
-            raise ValueError(
-                f"stress.preset = {self.preset!r} and stress.layout are both set; "
-                "keep one (the preset names a whole layout)"
-            )
-        # A trace's longest request is known only once the file is read: the stress
-        # runner checks it then.
-        need = {
-            "zipf": (self.prefix_blocks + self.suffix_blocks, "prefix_blocks + suffix_blocks"),
-            "multiturn": (self.turn_blocks * self.max_turns, "turn_blocks x max_turns"),
-            "scan": (self.scan_blocks, "scan_blocks"),
-        }.get(self.workload)
-        if need is not None and self.pool_blocks < need[0]:
-            raise ValueError(
-                f"pool_blocks = {self.pool_blocks} cannot hold one request of up to {need[0]} "
-                f"blocks ({need[1]}); set pool_blocks >= {need[0]}"
-            )
-        if self.workload == "trace" and not self.trace:
-            raise ValueError("workload = 'trace' needs trace: a JSONL trace file (or --trace)")
-        return self
-
-
-def layout_from_config(config: KVOffloadConfig) -> KVLayout:
-    """The KV layout the config's ``stress`` section simulates (its preset or layout).
-
-    What ``kvoffload stress`` writes its blocks under, and what the maintenance tools open
-    a tier with when the tier stores no layout of its own. It lives with the settings it
-    reads, below both tools, so neither has to import the other for it. The namespace
-    keeps the simulated blocks apart from an engine's with the same shape.
-    """
-    lc = config.stress.resolved_layout()
-    return KVLayout(
-        num_layers=lc.num_layers,
-        num_kv_heads=lc.num_kv_heads,
-        head_dim=lc.head_dim,
-        block_size=lc.block_size,
-        dtype=lc.dtype,
-        namespace="kvoffload-stress",
-    )
 
 
 def _default_tier_list() -> list[
@@ -404,9 +111,9 @@ class KVOffloadConfig(BaseModel):
     tiers: list[AnyTierConfig] = Field(default_factory=lambda: _default_tier_list(), min_length=1)
     """Ordered tiers, fastest first (cpu, then disk). Loads use the tier holding the
     longest prefix."""
-    eviction: Literal["lru", "arc"] = "lru"
+    eviction: PolicyName = "lru"
     """Eviction policy of every tier's manager."""
-    prefetch_max_inflight: ByteSize = 256 * 1024**2
+    prefetch_max_inflight: Bytes = 256 * 1024**2
     """Most bytes of lower-tier blocks being prefetched into the first tier at once
     (each reserves a first-tier slot until verified); also capped at half the first
     tier. A claim that needs more waits for earlier prefetches to land."""
@@ -439,7 +146,7 @@ class KVOffloadConfig(BaseModel):
     ever ran costs the decode engine this much. Its own setting: ``load_timeout_ms``
     bounds the loads and prefetches themselves, which a short producer wait must not
     cut short."""
-    async_load_min_bytes: ByteSize | None = None
+    async_load_min_bytes: Bytes | None = None
     """Unset (the default): each hit loads where it delays the requests least, by
     measurement. Inside the step, every request of that step waits for the copy; in
     the background (vLLM's asynchronous load), the new request waits for its load and
@@ -464,18 +171,7 @@ class KVOffloadConfig(BaseModel):
     stress: StressConfig = StressConfig()
     """Defaults for ``kvoffload stress``."""
 
-    @field_validator("tiers")
-    @classmethod
-    def _unique_names(cls, tiers: list[TierConfig]) -> list[TierConfig]:
-        first: dict[str, int] = {}
-        for i, tier in enumerate(tiers):
-            if tier.name in first:
-                raise ValueError(
-                    f"duplicate tier name {tier.name!r} at tiers[{first[tier.name]}] and "
-                    f"tiers[{i}]; give every tier a unique name"
-                )
-            first[tier.name] = i
-        return tiers
+    _tier_list = field_validator("tiers")(check_tier_list)
 
     @field_validator("version", mode="before")
     @classmethod
@@ -486,48 +182,6 @@ class KVOffloadConfig(BaseModel):
                 f"newer kvoffload: upgrade kvoffload, or write it for version {CONFIG_VERSION}"
             )
         return version
-
-    @field_validator("tiers")
-    @classmethod
-    def _separate_directories(cls, tiers: list[TierConfig]) -> list[TierConfig]:
-        """Two disk tiers in one directory, or one inside the other, would each take the
-        other's files for their own (and the second writer is refused at start): refuse
-        the config instead, naming both."""
-        seen: list[tuple[int, str, Path]] = []
-        for i, tier in enumerate(tiers):
-            raw = getattr(tier, "path", None)
-            if not isinstance(raw, str):
-                continue
-            here = Path(raw).expanduser().resolve()
-            for j, other_raw, there in seen:
-                if here == there or here in there.parents or there in here.parents:
-                    if here == there:
-                        how = "is the same directory as"
-                    elif there in here.parents:
-                        how = "is inside"
-                    else:
-                        how = "contains"
-                    raise _tier_error(
-                        (i, "path"),
-                        raw,
-                        f"{how} tiers[{j}].path = {other_raw!r} (tier {tiers[j].name!r}); "
-                        f"give each disk tier a directory of its own, neither inside another",
-                    )
-            seen.append((i, raw, here))
-        return tiers
-
-    @field_validator("tiers")
-    @classmethod
-    def _first_tier_takes_every_store(cls, tiers: list[TierConfig]) -> list[TierConfig]:
-        first = tiers[0]
-        for field_name, default in (("admit_after_hits", 0), ("write_policy", "write_through")):
-            if field_name in first.model_fields_set and getattr(first, field_name) != default:
-                raise ValueError(
-                    f"tiers[0].{field_name} = {getattr(first, field_name)!r}: the first tier "
-                    f"takes every store from the engine, so {field_name} applies only to "
-                    f"lower tiers; remove it from tiers[0] or move it to tiers[1]"
-                )
-        return tiers
 
     def resolved_tiers(self) -> list[TierConfig]:
         """Tiers as their backends' own config models."""
@@ -674,8 +328,8 @@ def _allowed_keys(loc: tuple[int | str, ...]) -> list[str] | None:
             return None
         if isinstance(part, int):
             continue
-        if part in _BUILTIN_TIERS:
-            model = _BUILTIN_TIERS[part]
+        if part in BUILTIN_TIERS:
+            model = BUILTIN_TIERS[part]
             continue
         if part == "plugin":
             model = PluginTierConfig
@@ -702,7 +356,7 @@ def _path(loc: tuple[int | str, ...]) -> str:
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in _BUILTIN_TIERS or part == "plugin":
+        elif part in BUILTIN_TIERS or part == "plugin":
             continue  # discriminator tags are not fields
         else:
             out += f".{part}" if out else part
@@ -718,12 +372,12 @@ def _format_errors(
         msg = re.sub(r"^(Value|Assertion) error, ", "", err["msg"])
         etype, value = err["type"], err.get("input")
         allowed = None
-        if etype == "tier_field":  # raised inside a tier about one of its fields
+        if etype == TIER_FIELD_ERROR:  # raised inside a tier about one of its fields
             ctx = err.get("ctx") or {}
             loc += tuple(ctx["loc"])
             etype, value, msg, allowed = ctx["kind"], ctx["value"], ctx["message"], ctx["allowed"]
         path = _path(loc)
-        key = tuple(str(p).lower() for p in loc if p not in _BUILTIN_TIERS and p != "plugin")
+        key = tuple(str(p).lower() for p in loc if p not in BUILTIN_TIERS and p != "plugin")
         # The variable that set this field or a section around it (KVOFFLOAD_TIERS=[...]).
         owner = next((key[:n] for n in range(len(key), 0, -1) if key[:n] in overrides), None)
         source = f"environment {overrides[owner]}" if owner is not None else label
@@ -741,7 +395,7 @@ def _format_errors(
         elif etype == "missing":
             messages.append(f"{source}: {path}: required field is missing")
         else:
-            messages.append(f"{source}: {path} = {_short(_scrub(value))}: {msg}")
+            messages.append(f"{source}: {path} = {_short(scrub(value))}: {msg}")
     first = messages[0]
     if len(messages) > 1:
         first += f" (and {len(messages) - 1} more: " + "; ".join(messages[1:]) + ")"

@@ -1,27 +1,40 @@
-"""Human-readable byte sizes ("512MiB", "4GiB", "1.5GB", 4096) for config fields."""
+"""Human-readable byte sizes ("512MiB", "4GiB", "1.5GB", 4096) for config fields.
+
+pydantic's :class:`~pydantic.ByteSize` does the parsing. This module decides which
+spellings a size may have, fewer than pydantic takes (no bits, no PB or EB, no
+``".5"``, nothing after the unit), hands pydantic each in one spelling whose meaning it
+fixes (a bare ``k`` as ``kb``: SI, like ``KB``), and refuses the rest, and zero,
+negative and fractional byte counts, in one line that says what is allowed.
+"""
 
 from __future__ import annotations
 
 import re
 from typing import Final
 
-_UNITS: Final[dict[str, int]] = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-    "tib": 1024**4,
+from pydantic import ByteSize, TypeAdapter, ValidationError
+
+_UNITS: Final[dict[str, str]] = {
+    "": "b",
+    "b": "b",
+    "k": "kb",
+    "kb": "kb",
+    "m": "mb",
+    "mb": "mb",
+    "g": "gb",
+    "gb": "gb",
+    "t": "tb",
+    "tb": "tb",
+    "kib": "kib",
+    "mib": "mib",
+    "gib": "gib",
+    "tib": "tib",
 }
+"""Each unit a size may be written with, lower-cased -> pydantic's name for it. SI
+(KB, MB, GB, TB and bare K, M, G, T) are powers of 1000, IEC (KiB, MiB, GiB, TiB)
+powers of 1024."""
 _SIZE_RE: Final = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_BYTE_SIZE: Final = TypeAdapter(ByteSize)
 
 SIZE_HINT: Final = "a positive size such as '512MiB', '4GiB', '1.5GB' or a byte count"
 
@@ -36,23 +49,28 @@ def parse_size(value: object) -> int:
     """
     if isinstance(value, bool):
         raise ValueError(f"expected {SIZE_HINT}, got a boolean")
-    if isinstance(value, int):
-        nbytes = value
-    elif isinstance(value, float):
+    if isinstance(value, float):
         if not value.is_integer():
             raise ValueError(f"expected {SIZE_HINT}, got a fractional byte count")
-        nbytes = int(value)
-    elif isinstance(value, str):
+        value = int(value)
+    if isinstance(value, str):
         match = _SIZE_RE.match(value)
-        unit = match.group(2).lower() if match else None
-        if match is None or unit not in _UNITS:
+        unit = _UNITS.get(match.group(2).lower()) if match else None
+        if match is None or unit is None:
             raise ValueError(f"expected {SIZE_HINT}")
-        scaled = float(match.group(1)) * _UNITS[unit]
-        if not scaled.is_integer():
+        number = match.group(1)
+        # pydantic truncates a fractional byte count; a size that has one is refused.
+        if not (float(number) * ByteSize.byte_sizes[unit]).is_integer():
             raise ValueError(f"expected {SIZE_HINT}, got a fractional byte count")
-        nbytes = int(scaled)
-    else:
+        value = f"{number}{unit}"  # with its unit, even "b": the count then goes by float
+    elif not isinstance(value, int):
         raise ValueError(f"expected {SIZE_HINT}, got {type(value).__name__}")
+    elif value <= 0:  # pydantic's own error for a negative count would name no units
+        raise ValueError(f"expected {SIZE_HINT}; sizes must be greater than zero")
+    try:
+        nbytes = int(_BYTE_SIZE.validate_python(value))
+    except ValidationError:  # a spelling above that pydantic does not read as we do
+        raise ValueError(f"expected {SIZE_HINT}") from None
     if nbytes <= 0:
         raise ValueError(f"expected {SIZE_HINT}; sizes must be greater than zero")
     return nbytes

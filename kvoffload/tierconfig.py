@@ -13,10 +13,12 @@ from typing import Annotated, Final, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 from pydantic.json_schema import WithJsonSchema
 
+# Re-exported: the codec names, declared once beside the codecs (CODECS).
+from kvoffload.codec import Compression as Compression
 from kvoffload.codec import require_blosc2
 from kvoffload.sizes import SIZE_HINT, parse_size
 
-ByteSize = Annotated[
+Bytes = Annotated[
     int,
     BeforeValidator(parse_size),
     WithJsonSchema(
@@ -33,7 +35,13 @@ ByteSize = Annotated[
         }
     ),
 ]
-"""A byte count; accepts ints and strings like ``"512MiB"``; validated as positive."""
+"""A byte count; accepts ints and strings like ``"512MiB"`` (parsed by pydantic's
+``ByteSize``, through :func:`~kvoffload.sizes.parse_size`); validated as positive.
+Not named ``ByteSize``, which would hide pydantic's own."""
+
+PolicyName = Literal["lru", "arc"]
+"""The config's ``eviction``: the names of :data:`kvoffload.policies.POLICIES` (declared
+here, below the config and the policies both, so neither spells them again)."""
 
 MODEL_CONFIG: Final = ConfigDict(
     extra="forbid",
@@ -55,7 +63,7 @@ class TierConfig(BaseModel):
     """Unique tier name, used in logs, metrics and CLI output (letters, digits, ``_.-``)."""
     backend: str = "cpu"
     """Registered backend name (entry-point group ``kvoffload.backends``)."""
-    capacity: ByteSize = 1024**3
+    capacity: Bytes = 1024**3
     """Bytes of block data this tier may hold, e.g. ``"4GiB"``; slot headers count too."""
     write_policy: Literal["write_through", "on_evict"] = "write_through"
     """How this tier is filled from the tier above it (ignored on the first tier, which
@@ -71,7 +79,7 @@ class TierConfig(BaseModel):
     max_store_delay_ms: float | None = Field(default=None, gt=0)
     """Backpressure by latency: drop new stores while the queued jobs would take longer
     than this to drain (queue depth x recent job time). ``null``: queue depth only."""
-    write_throttle: ByteSize | None = None
+    write_throttle: Bytes | None = None
     """Test knob: cap this tier's write rate at this many bytes per second (sleeping
     after each write), to simulate a slow disk. ``null``: full speed."""
     breaker_errors: int = Field(default=5, ge=0)
@@ -81,10 +89,6 @@ class TierConfig(BaseModel):
     disk then costs a few errors per back-off instead of an error per batch."""
     breaker_backoff_ms: float = Field(default=5000.0, gt=0)
     """How long a tripped breaker bypasses the tier before the next try."""
-
-
-Compression = Literal["none", "lz4", "zstd"]
-"""A tier's ``compression``: the names of :data:`kvoffload.codec.CODECS`."""
 
 
 def check_compression(name: str) -> str:

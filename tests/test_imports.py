@@ -75,6 +75,11 @@ LAYERS: Final[dict[int, tuple[str, tuple[str, ...]]]] = {
             "backends.lmdb.settings",
             "backends.mmap.settings",
             "backends.redis.settings",
+            # The config's parts: the tiers list (union and rules), the masking of
+            # secrets in its errors, and the stress section (before "tools", layer 6).
+            "tierunion",
+            "redact",
+            "tools.stressconfig",
             "keys",
             "layout",
             "sizes",

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from kvoffload.tierconfig import ByteSize, DiskTierConfig
+from kvoffload.tierconfig import Bytes, DiskTierConfig
 
 
 class MmapTierConfig(DiskTierConfig):
@@ -19,7 +19,7 @@ class MmapTierConfig(DiskTierConfig):
     buffered I/O otherwise. ``on``: fail to open without O_DIRECT. ``off``: buffered."""
     io_threads: int = Field(default=8, ge=1, le=64)
     """Threads issuing ``pwritev``/``preadv`` concurrently; NVMe needs several in flight."""
-    max_file_bytes: ByteSize = 64 * 1024**3
+    max_file_bytes: Bytes = 64 * 1024**3
     """Largest slab file; a bigger capacity is split over several files."""
     preallocate: bool = True
     """Reserve the files' blocks at open (``posix_fallocate``), so a full disk shows up

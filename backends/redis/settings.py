@@ -15,7 +15,7 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 from pydantic import ConfigDict, Field, SecretStr, ValidationInfo, field_validator, model_validator
 
-from kvoffload.tierconfig import ByteSize, Compression, TierConfig, check_compression
+from kvoffload.tierconfig import Bytes, Compression, TierConfig, check_compression
 
 _PREFIX_RE: Final = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 NODE_RE: Final = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})$")
@@ -42,7 +42,7 @@ class RedisTierConfig(TierConfig):
 
     backend: Literal["redis"] = "redis"
     """Selects the Redis backend."""
-    capacity: ByteSize = 1024**3
+    capacity: Bytes = 1024**3
     """Upper bound the client assumes on what it has stored (value bytes, headers
     included), kept because every tier's manager allocates against one. The server's
     ``maxmemory`` decides what actually stays: it evicts, not this client."""

@@ -6,13 +6,20 @@ Each policy is its own small module; :func:`make_policy` maps the config's
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Final, get_args
 
 from kvoffload.policies.arc import ARCPolicy
 from kvoffload.policies.base import BlockState, EvictionPolicy
 from kvoffload.policies.lru import LRUPolicy
+from kvoffload.tierconfig import PolicyName
 
 POLICIES: Final[dict[str, type[EvictionPolicy]]] = {"lru": LRUPolicy, "arc": ARCPolicy}
+"""``eviction`` name -> policy: exactly the names of the config's :data:`PolicyName`."""
+if set(POLICIES) != set(get_args(PolicyName)):  # the config offers what is here, no more
+    raise TypeError(
+        f"kvoffload.policies.POLICIES has {sorted(POLICIES)} but the config's eviction "
+        f"takes {sorted(get_args(PolicyName))} (kvoffload.tierconfig.PolicyName)"
+    )
 
 
 def make_policy(name: str, capacity: int) -> EvictionPolicy:
