@@ -67,6 +67,8 @@ from real_server import (
     write_config,
 )
 
+from kvoffload.tools.bench.harness import run_facts, write_json
+
 SETTINGS: dict[str, dict[str, Any]] = {
     "on": {"options": {"prefetch_on_arrival": True}},
     "off": {"options": {"prefetch_on_arrival": False}},
@@ -153,7 +155,7 @@ def _settle_stores(server: Server, key: str = "tier_blocks_stored{disk}") -> flo
 def _drop(args: argparse.Namespace) -> bool | None:
     if not args.drop_caches:
         return None
-    from kvoffload.tools.bench_raw import drop_page_cache
+    from kvoffload.tools.bench.raw import drop_page_cache
 
     return drop_page_cache()
 
@@ -304,8 +306,7 @@ def main() -> None:
     text = json.dumps(report, indent=2)
     print(text)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
+        write_json(args.json, report, facts=run_facts())
 
 
 if __name__ == "__main__":

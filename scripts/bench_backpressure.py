@@ -16,13 +16,13 @@ were never dropped. Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from kvoffload.config import load_config
+from kvoffload.tools.bench.harness import print_figures, run_facts, write_json
 from kvoffload.tools.stress import StressReport, StressRunner
 
 
@@ -81,10 +81,9 @@ def main() -> None:
         "integrity_errors": slow.integrity_errors + free.integrity_errors,
         "ops": slow.ops,
     }
-    for key, value in result.items():
-        print(f"{key:28s} {value:.4g}" if isinstance(value, float) else f"{key:28s} {value}")
+    print_figures(result, width=28)
     if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.json, result, facts=run_facts())
 
 
 if __name__ == "__main__":

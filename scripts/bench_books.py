@@ -41,6 +41,7 @@ from kvoffload.config import load_config
 from kvoffload.keys import ROOT_KEY, BlockKey, chain_key
 from kvoffload.layout import KVLayout
 from kvoffload.offloader import Offloader
+from kvoffload.tools.bench.harness import write_json
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, namespace="bb")
 
@@ -229,7 +230,7 @@ def main() -> None:
     }
     print(json.dumps(result, indent=2))
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -9,11 +9,11 @@ the per-tier disk sweep before it. Usage::
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from kvoffload.config import load_config
-from kvoffload.tools.bench_chain import bench_chain
+from kvoffload.tools.bench.chain import bench_chain
+from kvoffload.tools.bench.harness import print_figures, run_facts, write_json
 
 
 def main() -> None:
@@ -26,10 +26,9 @@ def main() -> None:
     if not tiers:
         raise SystemExit(f"{args.config}: no mmap tier to run the chain into")
     result = bench_chain(tiers[0], total_bytes=args.total * 1024 * 1024)
-    for key, value in result.items():
-        print(f"{key:36s} {value:.4g}" if isinstance(value, float) else f"{key:36s} {value}")
+    print_figures(result, width=36)
     if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.json, result, facts=run_facts())
 
 
 if __name__ == "__main__":

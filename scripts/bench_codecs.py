@@ -31,13 +31,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import blosc2
 import numpy as np
+
+from kvoffload.tools.bench import harness
 
 REPO = Path(__file__).resolve().parent.parent
 CAPTURES = REPO / "out" / "kv_capture"
@@ -93,13 +94,13 @@ def memcpy_gbs(src: np.ndarray, repeats: int) -> float:
     """numpy ``copyto`` of each unit into its own slot of a preallocated array."""
     dst = np.empty_like(src)
     np.copyto(dst, src)  # first touch
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+
+    def copy() -> None:
         for i in range(src.shape[0]):
             np.copyto(dst[i], src[i])
-        best = min(best, time.perf_counter() - t0)
-    return src.nbytes / best / 1e9
+
+    best = harness.timings({"copy": copy}, repeats, warmup=False)["copy"].best
+    return harness.gbps(src.nbytes, best)
 
 
 def bench_setting(
@@ -132,21 +133,22 @@ def bench_setting(
     picks = spread(src.shape[0], timed)
     part = src[picks]
     part_packed = [packed[i] for i in picks]
-    best_c = best_d = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+
+    def comp() -> None:
         for i in range(timed):
             blosc2.compress2(part[i], cparams=cparams)
-        best_c = min(best_c, time.perf_counter() - t0)
-        t0 = time.perf_counter()
+
+    def decomp() -> None:
         for i in range(timed):
             blosc2.decompress2(part_packed[i], dst=dst[i], dparams=dparams)
-        best_d = min(best_d, time.perf_counter() - t0)
+
+    # Interleaved rounds, compress then decompress, best of each kept.
+    best = harness.timings({"comp": comp, "decomp": decomp}, repeats, warmup=False)
     return {
         "ratio": stored / src.nbytes,
         "stored_bytes": stored,
-        "comp_gbs": part.nbytes / best_c / 1e9,
-        "decomp_gbs": part.nbytes / best_d / 1e9,
+        "comp_gbs": harness.gbps(part.nbytes, best["comp"].best),
+        "decomp_gbs": harness.gbps(part.nbytes, best["decomp"].best),
     }
 
 
@@ -206,6 +208,18 @@ def run(
     return result
 
 
+TABLE: list[tuple[str, harness.Cell]] = [
+    ("codec", "codec"),
+    ("clevel", "clevel"),
+    ("filters", "filters"),
+    ("ratio", harness.fixed("ratio", 3)),
+    ("saved", lambda r: f"{1 - r['ratio']:.1%}"),
+    ("comp GB/s", harness.fixed("comp_gbs")),
+    ("decomp GB/s", harness.fixed("decomp_gbs")),
+]
+"""The docs' table of one capture: every column left-aligned, as recorded before."""
+
+
 def table(result: dict[str, Any]) -> str:
     m = result["meta"]
     head = (
@@ -215,17 +229,7 @@ def table(result: dict[str, Any]) -> str:
         f"typesize {result['typesize']}; timed: {result['timed_units']} units, "
         f"best of {result['repeats']}; memcpy {result['memcpy_gbs']:.2f} GB/s\n"
     )
-    lines = [
-        head,
-        "| codec | clevel | filters | ratio | saved | comp GB/s | decomp GB/s |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in result["settings"]:
-        lines.append(
-            f"| {r['codec']} | {r['clevel']} | {r['filters']} | {r['ratio']:.3f} | "
-            f"{1 - r['ratio']:.1%} | {r['comp_gbs']:.2f} | {r['decomp_gbs']:.2f} |"
-        )
-    return "\n".join(lines) + "\n"
+    return head + "\n" + harness.markdown_table(TABLE, result["settings"], left=len(TABLE)) + "\n"
 
 
 def main() -> int:
@@ -255,9 +259,8 @@ def main() -> int:
         results.append(result)
         print(table(result), flush=True)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         payload = {"blosc2": blosc2.__version__, "results": results}
-        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+        harness.write_json(args.json, payload, facts=harness.run_facts())
     return 0
 
 

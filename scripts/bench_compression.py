@@ -46,7 +46,8 @@ from kvoffload.keys import BlockKey, chain_key
 from kvoffload.layout import KVLayout
 from kvoffload.registry import get_backend_class
 from kvoffload.sizes import parse_size
-from kvoffload.tools.bench_raw import drop_page_cache
+from kvoffload.tools.bench.harness import gbps, ratio, run_facts, timed, timed_result, write_json
+from kvoffload.tools.bench.raw import drop_page_cache
 from kvoffload.tools.stress import kv_like
 
 BATCH_BYTES = 32 * 1024 * 1024
@@ -113,10 +114,12 @@ def disk_round(
     try:
         slots = be.allocate(n)
         assert slots is not None
-        start = time.perf_counter()
-        for lo in range(0, n, per):
-            be.write(slots[lo : lo + per], keys[lo : lo + per], data[lo : lo + per])
-        store_s = time.perf_counter() - start
+
+        def store() -> None:
+            for lo in range(0, n, per):
+                be.write(slots[lo : lo + per], keys[lo : lo + per], data[lo : lo + per])
+
+        store_s = timed(store)
         footprint = be.footprint()
         packed = be.codec_stats()
     finally:
@@ -127,11 +130,14 @@ def disk_round(
     try:
         where = {b.key: b.slot for b in be.recover()}
         slots = [where[k] for k in keys]
-        start = time.perf_counter()
-        valid: list[bool] = []
-        for lo in range(0, n, per):
-            valid += be.read(slots[lo : lo + per], keys[lo : lo + per], out[lo : lo + per])
-        load_s = time.perf_counter() - start
+
+        def load() -> list[bool]:
+            got: list[bool] = []
+            for lo in range(0, n, per):
+                got += be.read(slots[lo : lo + per], keys[lo : lo + per], out[lo : lo + per])
+            return got
+
+        load_s, valid = timed_result(load)
         unpacked = be.codec_stats()
     finally:
         be.close()
@@ -140,8 +146,8 @@ def disk_round(
         raise SystemExit(f"{kind} {codec}: a block came back different")
     logical = n * layout.bytes_per_block
     return {
-        "store_gbps": logical / store_s / 1e9,
-        "load_gbps": logical / load_s / 1e9,
+        "store_gbps": gbps(logical, store_s),
+        "load_gbps": gbps(logical, load_s),
         "ratio": footprint[1] / footprint[0] if footprint else None,
         "page_cache_dropped": dropped,
         "compress_gbps": packed.compress_gbps if packed else None,
@@ -173,8 +179,8 @@ def bench_disk(
         )
     none = next(r for r in rows if r["compression"] == "none")
     for r in rows:
-        r["store_vs_none"] = r["store_gbps"] / none["store_gbps"]
-        r["load_vs_none"] = r["load_gbps"] / none["load_gbps"]
+        r["store_vs_none"] = ratio(r["store_gbps"], none["store_gbps"])
+        r["load_vs_none"] = ratio(r["load_gbps"], none["load_gbps"])
     return rows
 
 
@@ -239,7 +245,7 @@ def bench_redis(
             rows.append({"compression": codec, "stored": n, "held": held, "used_memory": used})
         none = next(r for r in rows if r["compression"] == "none")
         for r in rows:
-            r["held_vs_none"] = r["held"] / none["held"]
+            r["held_vs_none"] = ratio(r["held"], none["held"])
         return rows
     finally:
         server.kill()
@@ -293,8 +299,7 @@ def main() -> int:
                 flush=True,
             )
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
+        write_json(args.json, report, facts=run_facts())
     return 0
 
 

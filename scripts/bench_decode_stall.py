@@ -61,6 +61,8 @@ from real_server import (
     write_config,
 )
 
+from kvoffload.tools.bench.harness import run_facts, write_json
+
 MODES: dict[str, dict[str, Any]] = {
     "in_step": {"async_load_min_bytes": 1 << 40},
     "async": {"async_load_min_bytes": 1},
@@ -245,8 +247,7 @@ def main() -> None:
     text = json.dumps(report, indent=2)
     print(text)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
+        write_json(args.json, report, facts=run_facts())
 
 
 if __name__ == "__main__":

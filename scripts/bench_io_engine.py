@@ -16,13 +16,13 @@ import argparse
 import asyncio
 import mmap
 import os
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import aiofiles.os
 
-from kvoffload.tools.bench_raw import drop_page_cache
+from kvoffload.tools.bench.harness import gbps, ratio, timed
+from kvoffload.tools.bench.raw import drop_page_cache
 
 BLOCK = 2 * 1024 * 1024
 INFLIGHT = 8
@@ -36,10 +36,11 @@ def threads(fd: int, n: int, bufs: list[mmap.mmap], write: bool) -> float:
             else:
                 os.preadv(fd, [bufs[t]], i * BLOCK)
 
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(INFLIGHT) as pool:
-        list(pool.map(worker, range(INFLIGHT)))
-    return time.perf_counter() - t0
+    def run() -> None:
+        with ThreadPoolExecutor(INFLIGHT) as pool:
+            list(pool.map(worker, range(INFLIGHT)))
+
+    return timed(run)
 
 
 def with_aiofiles(fd: int, n: int, bufs: list[mmap.mmap], write: bool) -> float:
@@ -58,9 +59,7 @@ def with_aiofiles(fd: int, n: int, bufs: list[mmap.mmap], write: bool) -> float:
         loop.set_default_executor(ThreadPoolExecutor(INFLIGHT))
         await asyncio.gather(*(worker(t) for t in range(INFLIGHT)))
 
-    t0 = time.perf_counter()
-    asyncio.run(run())
-    return time.perf_counter() - t0
+    return timed(lambda: asyncio.run(run()))
 
 
 def main() -> None:
@@ -81,11 +80,14 @@ def main() -> None:
             for write in (True, False):
                 drop_page_cache()
                 key = f"{name} {'write' if write else 'read'}"
-                best[key] = max(best.get(key, 0.0), n * BLOCK / fn(fd, n, bufs, write) / 1e9)
+                best[key] = max(best.get(key, 0.0), gbps(n * BLOCK, fn(fd, n, bufs, write)))
     os.close(fd)
     path.unlink()
-    for key, gbps in best.items():
-        print(f"{key:16s} {gbps:.2f} GB/s (best of {args.reps})")
+    for key, figure in best.items():
+        # The baseline is the thread pool of the same run: aiofiles is one on top of it.
+        vs = ratio(figure, best[key.replace("aiofiles", "threads")])
+        tail = f", {vs:.2f}x threads" if key.startswith("aiofiles") and vs is not None else ""
+        print(f"{key:16s} {figure:.2f} GB/s (best of {args.reps}){tail}")
 
 
 if __name__ == "__main__":

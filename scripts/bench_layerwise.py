@@ -18,7 +18,6 @@ machine's drift hits both alike::
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -27,6 +26,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_vllm import Runner, step, tiers, tokens
+
+from kvoffload.tools.bench.harness import ratio, run_facts, write_json
 
 
 def main() -> int:
@@ -70,15 +71,18 @@ def main() -> int:
     print("\nTTFT ms: median (min-max) over all rounds; ratio on / off of the medians")
     for kind in ("hit", "part"):
         off, on = (statistics.median(ttft[m][kind]) for m in ("off", "on"))
-        report[kind] = {"off_ms": ttft["off"][kind], "on_ms": ttft["on"][kind], "ratio": on / off}
+        report[kind] = {
+            "off_ms": ttft["off"][kind],
+            "on_ms": ttft["on"][kind],
+            "ratio": ratio(on, off),
+        }
         span = {m: f"{min(ttft[m][kind]):.1f}-{max(ttft[m][kind]):.1f}" for m in ttft}
         print(
             f"  {kind:<5} off {off:7.1f} ({span['off']})  on {on:7.1f} ({span['on']})"
             f"  on/off {on / off:.2f}"
         )
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1))
+        write_json(args.json, report, facts=run_facts(), indent=1)
     return 0
 
 

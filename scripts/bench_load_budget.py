@@ -15,8 +15,7 @@ connector's in-step path), against a plain ``copy_`` of the same bytes in the sa
 from __future__ import annotations
 
 import argparse
-import json
-import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +26,18 @@ from kvoffload.config import load_config
 from kvoffload.keys import BlockKey
 from kvoffload.layout import KVLayout
 from kvoffload.offloader import Offloader
+from kvoffload.tools.bench.harness import gbps, timed, timed_result, write_json
 
 LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, namespace="b")
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def _load(off: Offloader, plan: Any, n: int, first: int) -> Any:
+    """The connector's in-step load: submit into pool blocks from ``first`` on, wait."""
+    load = off.submit_load(plan, list(range(first, first + n)))
+    assert load is not None
+    (res,) = off.wait([load], 120)
+    return res
 
 
 def measure(repeats: int) -> list[dict[str, Any]]:
@@ -54,23 +62,18 @@ def measure(repeats: int) -> list[dict[str, Any]]:
                 plan = off.claim(owner, keys[:n])
                 assert plan is not None
                 assert plan.hits == n
-                t0 = time.perf_counter()
-                load = off.submit_load(plan, list(range(most, most + n)))
-                assert load is not None
-                (res,) = off.wait([load], 120)
-                loads.append(time.perf_counter() - t0)
+                seconds, res = timed_result(partial(_load, off, plan, n, most))
+                loads.append(seconds)
                 assert res.success, res.error
                 off.release(owner)
-                t0 = time.perf_counter()
-                dst[: n * bpb].copy_(src[: n * bpb])
-                copies.append(time.perf_counter() - t0)
+                copies.append(timed(lambda: dst[: n * bpb].copy_(src[: n * bpb])))  # noqa: B023
             load_s, copy_s = min(loads), min(copies)
             rows.append(
                 {
                     "blocks": n,
                     "mib": n * bpb / 2**20,
                     "load_ms": load_s * 1e3,
-                    "load_gbps": n * bpb / load_s / 1e9,
+                    "load_gbps": gbps(n * bpb, load_s),
                     "memcpy_ms": copy_s * 1e3,
                     "ratio_to_memcpy": load_s / copy_s,
                 }
@@ -93,8 +96,7 @@ def main() -> None:
             f"{r['memcpy_ms']:10.2f} {r['ratio_to_memcpy']:12.2f}"
         )
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rows, indent=1))
+        write_json(args.json, rows, indent=1)
 
 
 if __name__ == "__main__":

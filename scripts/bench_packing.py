@@ -63,7 +63,8 @@ from kvoffload.keys import BlockKey, chain_key
 from kvoffload.layout import KVLayout
 from kvoffload.sizes import parse_size
 from kvoffload.tier import Tier, build_tiers
-from kvoffload.tools.bench_raw import drop_page_cache
+from kvoffload.tools.bench.harness import gbps, ratio, run_facts, timed_result, write_json
+from kvoffload.tools.bench.raw import drop_page_cache
 from kvoffload.tools.stress import kv_like
 
 LOAD_BATCH_BYTES = 32 * 1024 * 1024
@@ -315,7 +316,7 @@ def run_codec(
             "rejected_fill": rejected_fill,
             "rejected_churn": rejected_churn,
             "rejected_churn_share": rejected_churn / (i - full_at) if full_at is not None else None,
-            "store_gbps": i * bpb / store_s / 1e9,
+            "store_gbps": gbps(i * bpb, store_s),
             "problems": problems,
             **diag,
             **fragmentation(tier),
@@ -364,9 +365,7 @@ def load_once(
 ) -> dict[str, Any]:
     """Reopen (timed), then load every block held, checked against what was stored."""
     dropped = drop_page_cache()
-    t0 = time.perf_counter()
-    tier = open_tier(path, codec, capacity, layout)
-    reopen_s = time.perf_counter() - t0
+    reopen_s, tier = timed_result(lambda: open_tier(path, codec, capacity, layout))
     try:
         keys = tier.manager.held_keys()
         if len(keys) < held:
@@ -395,7 +394,7 @@ def load_once(
         return {
             "reopen_s": reopen_s,
             "loaded": len(keys),
-            "load_gbps": len(keys) * bpb / seconds / 1e9 if seconds > 0 else 0.0,
+            "load_gbps": gbps(len(keys) * bpb, seconds),
             "page_cache_dropped": dropped,
             "direct_io": bool(getattr(tier.backend, "direct", False)),
         }
@@ -440,10 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [run_codec(codec, layout, pool, args) for codec in codecs]
     none = rows[0]
     for r in rows:
-        r["held_vs_none"] = r["held"] / none["held"]
-        r["load_vs_none"] = (
-            r["load_gbps"] / none["load_gbps"] if r["load_gbps"] and none["load_gbps"] else None
-        )
+        r["held_vs_none"] = ratio(r["held"], none["held"])
+        r["load_vs_none"] = ratio(r["load_gbps"] or None, none["load_gbps"])
     report = {
         "blocks": what,
         "bytes_per_block": layout.bytes_per_block,
@@ -479,8 +476,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        write_json(args.json, report, facts=run_facts())
     return 0
 
 

@@ -26,11 +26,11 @@ Ratios are against ``idle``, medians of ``--repeats``::
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
 import uuid
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,7 @@ from kvoffload.connectors.vllm.worker import TieredOffloadWorker
 from kvoffload.config import load_config
 from kvoffload.keys import BlockKey
 from kvoffload.layout import KVLayout
+from kvoffload.tools.bench.harness import run_facts, timed, write_json
 
 LAYERS, HEADS, HEAD, BLOCK = 30, 3, 64, 32
 
@@ -99,9 +100,7 @@ def run(tokens: int, repeats: int) -> dict[str, Any]:
                     store = _Store(req_id, keys, list(range(blocks)))
                     worker.wait_for_save(TieredOffloadMetadata(stores=[store]))
                 step = TieredOffloadMetadata(preempted={req_id} if mode == "preempted" else set())
-                t0 = time.perf_counter()
-                worker.handle_preemptions(step)
-                times[mode].append(time.perf_counter() - t0)
+                times[mode].append(timed(partial(worker.handle_preemptions, step)))
                 if mode != "idle":
                     _drain(worker, req_id)
     finally:
@@ -131,8 +130,7 @@ def main() -> None:
     for mode, ms in result["median_ms"].items():
         print(f"  {mode:18s} {ms:9.3f} ms  {result['ratio_to_idle'][mode]:8.2f}x idle")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
+        write_json(args.json, result, facts=run_facts())
 
 
 if __name__ == "__main__":

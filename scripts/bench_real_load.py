@@ -45,6 +45,7 @@ from kvoffload.datapath import LayerProgress
 from kvoffload.keys import BlockKey
 from kvoffload.layout import KVLayout
 from kvoffload.offloader import Offloader
+from kvoffload.tools.bench.harness import gbps, run_facts, write_json
 
 LAYERS, HEADS, HEAD = 30, 3, 64
 
@@ -190,10 +191,10 @@ def measure(
         "threads": torch.get_num_threads(),
         "load_ms": load_s * 1e3,
         "load_ms_all": [round(t * 1e3, 2) for t in loads],
-        "load_gbps": nbytes / load_s / 1e9,
+        "load_gbps": gbps(nbytes, load_s),
         "floor": floor_name,
         "floor_ms": floor_s * 1e3,
-        "floor_gbps": nbytes / floor_s / 1e9,
+        "floor_gbps": gbps(nbytes, floor_s),
         "ratio_to_floor": load_s / floor_s,
         "verified": True,
     }
@@ -223,8 +224,7 @@ def main() -> None:
     )
     print(json.dumps(row, indent=1))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(row, indent=1))
+        write_json(args.json, row, facts=run_facts(), indent=1)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import csv
 import io
-import json
 import shutil
 import socket
 import subprocess
@@ -47,6 +46,8 @@ from pathlib import Path
 from typing import Any
 
 import redis
+
+from kvoffload.tools.bench.harness import run_facts, write_json
 
 HEADER = 128
 """Bytes of kvoffload's record header in front of each value (docs/remote.md)."""
@@ -213,9 +214,8 @@ def main() -> None:
             f"({args.admission_cut}x fewer writes)"
         )
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         doc = {"rows": rows, "replica_gbps": args.replica_gbps, "cut": args.admission_cut}
-        args.json.write_text(json.dumps(doc, indent=2))
+        write_json(args.json, doc, facts=run_facts())
 
 
 if __name__ == "__main__":

@@ -20,9 +20,7 @@ length) instead of random bytes (which no codec shrinks: full-size extents). Usa
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +29,8 @@ from kvoffload.config import load_config
 from kvoffload.keys import BlockKey, chain_key
 from kvoffload.layout import KVLayout
 from kvoffload.tier import build_tiers
-from kvoffload.tools.bench_raw import drop_page_cache, layout_of_size
+from kvoffload.tools.bench.harness import ratio, timed, timed_result, write_json
+from kvoffload.tools.bench.raw import drop_page_cache, layout_of_size
 from kvoffload.tools.stress import kv_like
 
 
@@ -60,27 +59,27 @@ def reopen(
         data.copy_(kv_like(layout, batch, seed=0))
     else:
         data.random_(0, 256)
-    t0 = time.perf_counter()
-    for lo in range(0, args.blocks, batch):
-        keys = [
-            BlockKey(chain_key(b"reopen", i.to_bytes(8, "little")))
-            for i in range(lo, min(args.blocks, lo + batch))
-        ]
-        plan = tier.manager.prepare_store(keys)
-        assert plan is not None
-        assert not plan.evicted, f"{path.name}: the tier is full at {lo} blocks"
-        sizes = tier.backend.write(plan.slots, plan.keys_to_store, data[: len(keys)])
-        if sizes is not None:  # a packed slab: charge what each block took, as the books do
-            assert all(sizes), f"{path.name}: no room for a block at {lo} blocks"
-            tier.manager.charge(plan.keys_to_store, sizes)
-        tier.manager.complete_store(plan.keys_to_store)
-    fill_s = time.perf_counter() - t0
+
+    def fill() -> None:
+        for lo in range(0, args.blocks, batch):
+            keys = [
+                BlockKey(chain_key(b"reopen", i.to_bytes(8, "little")))
+                for i in range(lo, min(args.blocks, lo + batch))
+            ]
+            plan = tier.manager.prepare_store(keys)
+            assert plan is not None
+            assert not plan.evicted, f"{path.name}: the tier is full at {lo} blocks"
+            sizes = tier.backend.write(plan.slots, plan.keys_to_store, data[: len(keys)])
+            if sizes is not None:  # a packed slab: charge what each block took, as the books do
+                assert all(sizes), f"{path.name}: no room for a block at {lo} blocks"
+                tier.manager.charge(plan.keys_to_store, sizes)
+            tier.manager.complete_store(plan.keys_to_store)
+
+    fill_s = timed(fill)
     footprint = tier.backend.footprint()
     tier.close()
     dropped = drop_page_cache()
-    t0 = time.perf_counter()
-    (tier,) = build_tiers(config, layout)
-    reopen_s = time.perf_counter() - t0
+    reopen_s, (tier,) = timed_result(lambda: build_tiers(config, layout))
     held = len(tier.manager.held_keys())
     tier.close()
     print(
@@ -94,7 +93,7 @@ def reopen(
         "compression": codec,
         "reopen_s": reopen_s,
         "fill_s": fill_s,
-        "stored_vs_logical": footprint[1] / footprint[0] if footprint and footprint[0] else None,
+        "stored_vs_logical": ratio(footprint[1], footprint[0]) if footprint else None,
         "page_cache_dropped": dropped,
     }
 
@@ -116,8 +115,7 @@ def main() -> None:
             name = backend if codec == "none" else f"{backend}-{codec}"
             results[name] = reopen(args, layout, backend, codec, args.dir / name)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
+        write_json(args.json, results)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ Needs ``redis-server`` on the PATH (the Debian package ``redis-server``).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -40,6 +39,7 @@ sys.path.insert(0, str(REPO / "tests"))  # support.redisserver: a real server on
 from support.redisserver import RedisServer  # noqa: E402
 
 from kvoffload.config import KVOffloadConfig, load_config  # noqa: E402
+from kvoffload.tools.bench.harness import run_facts, write_json  # noqa: E402
 from kvoffload.tools.stress import (  # noqa: E402
     StressReport,
     StressRunner,
@@ -201,9 +201,8 @@ def admission_main(args: argparse.Namespace) -> None:
         cut = e["written"] / max(1, a["written"])
         print(f"{r['seed']:>4} {written:>23} {cut:>5.2f}x {hits:>23} {rates:>21}")
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         doc = {"ops_per_replica": args.ops, "replicas": args.replicas, "seeds": rows}
-        args.json.write_text(json.dumps(doc, indent=2))
+        write_json(args.json, doc, facts=run_facts())
 
 
 def main() -> None:
@@ -261,8 +260,8 @@ def main() -> None:
     verdict = "met" if worst <= 0.02 else "NOT met"
     print(f"largest |B - single|: {worst:.4f} (target <= 0.02: {verdict})")
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"ops_per_replica": args.ops, "seeds": rows}, indent=2))
+        doc = {"ops_per_replica": args.ops, "seeds": rows}
+        write_json(args.json, doc, facts=run_facts())
 
 
 if __name__ == "__main__":

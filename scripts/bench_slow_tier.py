@@ -47,6 +47,8 @@ from real_server import (
     write_config,
 )
 
+from kvoffload.tools.bench.harness import run_facts, write_json
+
 
 def _option(text: str) -> tuple[str, Any]:
     key, _, value = text.partition("=")
@@ -139,8 +141,7 @@ def main() -> None:
     text_out = json.dumps(report, indent=2)
     print(text_out)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text_out + "\n")
+        write_json(args.json, report, facts=run_facts())
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ Exit status 1 if a run found an integrity error, 2 for a bad argument or config.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 from collections.abc import Callable
@@ -40,6 +39,7 @@ from kvoffload.config import KVOffloadConfig, layout_from_config, load_config
 from kvoffload.exceptions import KVOffloadError
 from kvoffload.lru_manager import LRUOffloadingManager
 from kvoffload.sizes import parse_size
+from kvoffload.tools.bench.harness import run_facts, write_json
 from kvoffload.tools.stress import StressReport, StressRunner, workload_from_config
 from kvoffload.tools.workloads import prefix_hit_ratio
 
@@ -316,8 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(table(doc))
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+        write_json(args.json, doc, facts=run_facts())
         print(f"written to {args.json}")
     return 1 if any(r["integrity_errors"] for r in doc["runs"]) else 0
 

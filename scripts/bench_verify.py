@@ -13,8 +13,9 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import time
 import zlib
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import xxhash
@@ -25,7 +26,8 @@ from kvoffload.config import MmapTierConfig
 from kvoffload.keys import BlockKey, chain_key
 from kvoffload.record import payload_checksum
 from kvoffload.sizes import parse_size
-from kvoffload.tools.bench_raw import drop_page_cache, layout_of_size
+from kvoffload.tools.bench.harness import gbps, timed, timed_result
+from kvoffload.tools.bench.raw import drop_page_cache, layout_of_size
 
 
 def hash_speeds(block: memoryview) -> dict[str, float]:
@@ -36,11 +38,13 @@ def hash_speeds(block: memoryview) -> dict[str, float]:
         ("zlib.crc32", zlib.crc32),
     ):
         fn(block)
-        t0 = time.perf_counter()
-        for _ in range(200):
-            fn(block)
-        out[name] = 200 * len(block) / (time.perf_counter() - t0) / 1e9
+        out[name] = gbps(200 * len(block), timed(partial(_hash_200, fn, block)))
     return out
+
+
+def _hash_200(fn: Callable[[memoryview], int], block: memoryview) -> None:
+    for _ in range(200):
+        fn(block)
 
 
 def main() -> None:
@@ -76,17 +80,16 @@ def main() -> None:
                 f.headers["checksum"] = sums if mode == "verified" else 0
             mmap_backend.payload_checksum = payload_checksum if mode == "verified" else _zero
             drop_page_cache()
-            t0 = time.perf_counter()
-            ok = backend.read(slots, keys, out)
-            times[mode].append(time.perf_counter() - t0)
+            seconds, ok = timed_result(partial(backend.read, slots, keys, out))
+            times[mode].append(seconds)
             assert all(ok)
     mmap_backend.payload_checksum = payload_checksum
     backend.close()
     shutil.rmtree(args.dir, ignore_errors=True)
-    gb = n * block / 1e9
     v, u = min(times["verified"]), min(times["unverified"])
     print(
-        f"load 256 KiB blocks: verified {gb / v:.2f} GB/s, unverified {gb / u:.2f} GB/s, "
+        f"load 256 KiB blocks: verified {gbps(n * block, v):.2f} GB/s, "
+        f"unverified {gbps(n * block, u):.2f} GB/s, "
         f"cost {(v - u) / u:+.1%} (best of {args.reps} each, alternating)"
     )
     speeds = hash_speeds(byte_view(data[0]))

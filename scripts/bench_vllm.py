@@ -101,7 +101,7 @@ def run_phase(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    from kvoffload.tools.bench_raw import drop_page_cache
+    from kvoffload.tools.bench.raw import drop_page_cache
 
     kwargs: dict[str, Any] = {
         "model": spec["model"],
@@ -291,7 +291,7 @@ def floors(work: Path, kinds: list[str], dtype: str) -> dict[str, float]:
     from kvoffload.config import load_config
     from kvoffload.layout import KVLayout
     from kvoffload.tools.bench import bench_tier
-    from kvoffload.tools.bench_cpu import bench_layout
+    from kvoffload.tools.bench.cpu import bench_layout
 
     layout = KVLayout(
         num_layers=8,

@@ -15,8 +15,8 @@ from support.checkout import TRACE
 
 from kvoffload.config import load_config
 from kvoffload.tools.bench import run_bench
-from kvoffload.tools.bench_cpu import LAYOUTS, RATIO_MIN_BLOCK_BYTES, bench_cpu
-from kvoffload.tools.bench_manager import bench_manager, load_trace
+from kvoffload.tools.bench.cpu import LAYOUTS, RATIO_MIN_BLOCK_BYTES, bench_cpu
+from kvoffload.tools.bench.manager import bench_manager, load_trace
 from kvoffload.tools.workloads import make_workload, prefix_hit_ratio
 
 MAX_BLOCKS = 8  # per request: the whole trace's reuse, at a quarter of its blocks

@@ -16,7 +16,7 @@ from support.redisserver import RedisClusterProcs, RedisServer, require_redis
 
 from kvoffload.config import load_config
 from kvoffload.tools.bench import _disk_rows, _redis_rows
-from kvoffload.tools.bench_redis import bench_redis
+from kvoffload.tools.bench.redis import bench_redis
 
 KIB = 1024
 MIB = 1024 * KIB

@@ -537,7 +537,7 @@ def _maintenance(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from kvoffload.sizes import parse_size
     from kvoffload.tools.bench import run_bench
-    from kvoffload.tools.bench_manager import load_trace
+    from kvoffload.tools.bench.manager import load_trace
 
     if args.reps < 1:
         raise _usage(f"--reps = {args.reps}: it must be at least 1")

@@ -24,7 +24,7 @@ tier left open keeps its pages mapped, and mapped pages are not dropped); otherw
 buffered tier's load figure is the page cache's, and the report says so. Runs in its
 own process, not beside an engine.
 
-A ``redis`` tier (:mod:`kvoffload.tools.bench_redis`) is measured against its own
+A ``redis`` tier (:mod:`kvoffload.tools.bench.redis`) is measured against its own
 server instead of a disk: the tier's store and load beside pipelined ``SET`` / ``GET``
 loops with values of the same size, in the same run and interleaved: plain redis-py at
 its defaults, the same loop with the tier's client settings (the baseline of the
@@ -37,11 +37,11 @@ ratios ``store_vs_raw`` / ``load_vs_raw``, ``store_vs_tuned`` / ``load_vs_tuned`
 Two parts need no tier of the config and run first, whatever it holds (and alone with
 ``disk=False``), because they are seconds where the disk part is minutes:
 
-- **manager** (:mod:`kvoffload.tools.bench_manager`): scheduler-side ns per block of our
+- **manager** (:mod:`kvoffload.tools.bench.manager`): scheduler-side ns per block of our
   manager against vLLM's CPU offloading manager with its LRU policy, on a Mooncake
   trace; top-level ``manager_ns_per_block``, ``vllm_lru_ns_per_block`` and
   ``manager_vs_vllm_lru`` (ours / theirs), details under ``manager``;
-- **cpu** (:mod:`kvoffload.tools.bench_cpu`): ``BlockPool.gather`` / ``scatter`` and the cpu
+- **cpu** (:mod:`kvoffload.tools.bench.cpu`): ``BlockPool.gather`` / ``scatter`` and the cpu
   tier against a plain torch copy, per block size under ``cpu_ratios``; top-level
   ``cpu_gather_ratio`` / ``cpu_scatter_ratio`` are the minimum over blocks of 64 KiB
   and more.
@@ -65,10 +65,11 @@ from kvoffload.codec import CodecStats
 from kvoffload.config import KVOffloadConfig, TierConfig
 from kvoffload.keys import BlockKey, chain_key
 from kvoffload.registry import get_backend_class
-from kvoffload.tools.bench_chain import bench_chain
-from kvoffload.tools.bench_cpu import bench_cpu
-from kvoffload.tools.bench_manager import DEFAULT_CAPACITY, DEFAULT_TRACE, bench_manager
-from kvoffload.tools.bench_raw import drop_page_cache, gbps, layout_of_size, raw_best
+from kvoffload.tools.bench.chain import bench_chain
+from kvoffload.tools.bench.cpu import bench_cpu
+from kvoffload.tools.bench.harness import gbps, ratio, timed
+from kvoffload.tools.bench.manager import DEFAULT_CAPACITY, DEFAULT_TRACE, bench_manager
+from kvoffload.tools.bench.raw import drop_page_cache, layout_of_size, raw_best
 from kvoffload.tools.stress import kv_like
 
 logger = logging.getLogger(__name__)
@@ -103,9 +104,9 @@ def vllm_fs(directory: Path, data: torch.Tensor) -> dict[str, float | None]:
             shares = [
                 (paths[t::VLLM_THREADS], offsets[t::VLLM_THREADS]) for t in range(VLLM_THREADS)
             ]
-            start = time.perf_counter()
-            list(pool.map(lambda s: fn(s[0], view, s[1], block_bytes), shares))
-            return time.perf_counter() - start
+            return timed(
+                lambda: list(pool.map(lambda s: fn(s[0], view, s[1], block_bytes), shares))
+            )
 
         w = run(vio.batch_store_block, src_view)
         drop_page_cache()
@@ -298,12 +299,11 @@ def _disk_rows(
                 progress(f"{tier.name} ({tier.backend}) at {size // 1024} KiB")
             rows.append(bench_tier(tier, size, total_bytes, reps=reps, data_kind=data_kind))
     for row in rows:
-        row["store_vs_raw"] = row["store_gbps"] / row["raw_write_gbps"]
-        row["store_vs_raw_synced"] = row["store_gbps"] / row["raw_write_synced_gbps"]
-        row["load_vs_raw"] = row["load_gbps"] / row["raw_read_gbps"]
-        v_store, v_load = row["vllm_fs_store_gbps"], row["vllm_fs_load_gbps"]
-        row["store_vs_vllm_fs"] = row["store_gbps"] / v_store if v_store else None
-        row["load_vs_vllm_fs"] = row["load_gbps"] / v_load if v_load else None
+        row["store_vs_raw"] = ratio(row["store_gbps"], row["raw_write_gbps"])
+        row["store_vs_raw_synced"] = ratio(row["store_gbps"], row["raw_write_synced_gbps"])
+        row["load_vs_raw"] = ratio(row["load_gbps"], row["raw_read_gbps"])
+        row["store_vs_vllm_fs"] = ratio(row["store_gbps"], row["vllm_fs_store_gbps"])
+        row["load_vs_vllm_fs"] = ratio(row["load_gbps"], row["vllm_fs_load_gbps"])
     return rows
 
 
@@ -318,7 +318,7 @@ def _redis_rows(
     if not tiers:
         return []
     # Imported here: redis-py is an optional dependency (the ``redis`` extra).
-    from kvoffload.tools.bench_redis import bench_redis
+    from kvoffload.tools.bench.redis import bench_redis
 
     rows = []
     for tier in tiers:
