@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 import tempfile
@@ -50,6 +49,7 @@ from kvoffload.hostcopy import host_rows, page_aligned_empty, unpin
 from kvoffload.keys import ROOT_KEY, BlockKey, chain_key
 from kvoffload.layout import KVLayout
 from kvoffload.offloader import Offloader
+from kvoffload.tools.bench import harness
 
 SIZES_KIB = (16, 64, 256, 1024, 2048, 4096)
 
@@ -102,10 +102,14 @@ def bench_size(
         for i in range(n):
             d[i].copy_(s[i], non_blocking=True)
 
-    row["d2h_pinned_gbps"] = total / timed(lambda: per_block(b.pinned, b.gpu)) / 1e9
-    row["h2d_pinned_gbps"] = total / timed(lambda: per_block(b.gpu, b.pinned)) / 1e9
-    row["d2h_pageable_gbps"] = total / timed(lambda: per_block(b.pageable, b.gpu), reps=2) / 1e9
-    row["h2d_pageable_gbps"] = total / timed(lambda: per_block(b.gpu, b.pageable), reps=2) / 1e9
+    row["d2h_pinned_gbps"] = harness.gbps(total, timed(lambda: per_block(b.pinned, b.gpu)))
+    row["h2d_pinned_gbps"] = harness.gbps(total, timed(lambda: per_block(b.gpu, b.pinned)))
+    row["d2h_pageable_gbps"] = harness.gbps(
+        total, timed(lambda: per_block(b.pageable, b.gpu), reps=2)
+    )
+    row["h2d_pageable_gbps"] = harness.gbps(
+        total, timed(lambda: per_block(b.gpu, b.pageable), reps=2)
+    )
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
 
     def both() -> None:
@@ -116,17 +120,17 @@ def bench_size(
         torch.cuda.current_stream().wait_stream(s1)
         torch.cuda.current_stream().wait_stream(s2)
 
-    row["bidir_pinned_gbps"] = 2 * total / timed(both) / 1e9
+    row["bidir_pinned_gbps"] = harness.gbps(2 * total, timed(both))
     layout = layout_for(block)
     pool_blocks = max(2, min(n, (4 << 30) // layout.bytes_per_block))
     pool = BlockPool.allocate(layout, pool_blocks, device=b.gpu.device)
     ids = torch.randperm(pool_blocks)[: min(n, pool_blocks)].tolist()
     staging = pool.new_staging(len(ids), pin_memory=True)
     moved = len(ids) * layout.bytes_per_block
-    row["gather_to_pinned_gbps"] = moved / timed(lambda: pool.gather(ids, staging)) / 1e9
-    row["scatter_from_pinned_gbps"] = moved / timed(lambda: pool.scatter(ids, staging)) / 1e9
-    row["d2h_pinned_ratio"] = row["d2h_pinned_gbps"] / base_d2h
-    row["h2d_pinned_ratio"] = row["h2d_pinned_gbps"] / base_h2d
+    row["gather_to_pinned_gbps"] = harness.gbps(moved, timed(lambda: pool.gather(ids, staging)))
+    row["scatter_from_pinned_gbps"] = harness.gbps(moved, timed(lambda: pool.scatter(ids, staging)))
+    row["d2h_pinned_ratio"] = harness.ratio(row["d2h_pinned_gbps"], base_d2h)
+    row["h2d_pinned_ratio"] = harness.ratio(row["h2d_pinned_gbps"], base_h2d)
     return row
 
 
@@ -243,12 +247,12 @@ def bench_offloader(kib: int, base_d2h: float, base_h2d: float, mmap_dir: Path) 
         _quiet()
         t0 = time.perf_counter()
         assert _jobs(off, _store_all(off, keys, src, batch)) == n
-        row["store_gbps"] = n * bpb / (time.perf_counter() - t0) / 1e9
+        row["store_gbps"] = harness.gbps(n * bpb, time.perf_counter() - t0)
         row["store_gc_ms"] = sum(GC_SECONDS) * 1e3
         _quiet()
         t0 = time.perf_counter()
         assert _jobs(off, _load_all(off, keys, dst, batch)) == n
-        row["load_gbps"] = n * bpb / (time.perf_counter() - t0) / 1e9
+        row["load_gbps"] = harness.gbps(n * bpb, time.perf_counter() - t0)
         row["load_gc_ms"] = sum(GC_SECONDS) * 1e3
         ok = torch.equal(pool.gather(src[:batch]), pool.gather(dst[:batch]))
         row["bit_exact"] = ok
@@ -262,7 +266,7 @@ def bench_offloader(kib: int, base_d2h: float, base_h2d: float, mmap_dir: Path) 
             plan = off.prepare_load(keys[i : i + batch])
             jobs.append(off.submit_load(plan, dst[i : i + batch]))
         moved = _jobs(off, jobs)
-        row["both_gbps"] = moved * bpb / (time.perf_counter() - t0) / 1e9
+        row["both_gbps"] = harness.gbps(moved * bpb, time.perf_counter() - t0)
         # Cost to compute: a matmul loop alone, then while 2 GiB moves each way.
         alone = min(_matmul_seconds() for _ in range(3))
         again = _keys(n, f"c{kib}")
@@ -276,9 +280,9 @@ def bench_offloader(kib: int, base_d2h: float, base_h2d: float, mmap_dir: Path) 
         _jobs(off, jobs)
         row["compute_slowdown"] = busy / alone
         row["copies_done_during_matmul"] = time.perf_counter() - t0 <= busy * 1.05
-    row["store_ratio"] = row["store_gbps"] / base_d2h
-    row["load_ratio"] = row["load_gbps"] / base_h2d
-    row["both_ratio"] = row["both_gbps"] / max(base_d2h, base_h2d)
+    row["store_ratio"] = harness.ratio(row["store_gbps"], base_d2h)
+    row["load_ratio"] = harness.ratio(row["load_gbps"], base_h2d)
+    row["both_ratio"] = harness.ratio(row["both_gbps"], max(base_d2h, base_h2d))
     row["both_vs_one_way"] = row["both_gbps"] / max(row["store_gbps"], row["load_gbps"])
     row.update(bench_chain(layout, pool, src, dst, mmap_dir / f"m{kib}", base_d2h))
     del pool
@@ -316,7 +320,7 @@ def bench_chain(
         t0 = time.perf_counter()
         _jobs(off, _store_all(off, keys, src[:n], batch))
         assert off.drain(600)
-        out["chain_store_gbps"] = n * bpb / (time.perf_counter() - t0) / 1e9
+        out["chain_store_gbps"] = harness.gbps(n * bpb, time.perf_counter() - t0)
         flush = _keys(n, f"flush{bpb}")
         _jobs(off, _store_all(off, flush, src[:n], batch))
         assert off.drain(600)
@@ -328,7 +332,7 @@ def bench_chain(
                 time.sleep(0.0002)
             off.release(i)
             loaded += _jobs(off, [off.submit_load(plan, dst[i : i + plan.hits])])
-        out["chain_load_gbps"] = loaded * bpb / (time.perf_counter() - t0) / 1e9
+        out["chain_load_gbps"] = harness.gbps(loaded * bpb, time.perf_counter() - t0)
         out["chain_loaded_blocks"] = loaded
         out["chain_blocks"] = n
     return out
@@ -388,8 +392,8 @@ def main() -> int:
     pageable = torch.empty(total, dtype=torch.uint8)
     gpu2 = torch.empty(total, dtype=torch.uint8, device=dev)
     pinned2 = torch.empty(total, dtype=torch.uint8, pin_memory=True)
-    base_d2h = total / timed(lambda: pinned.copy_(gpu, non_blocking=True)) / 1e9
-    base_h2d = total / timed(lambda: gpu.copy_(pinned, non_blocking=True)) / 1e9
+    base_d2h = harness.gbps(total, timed(lambda: pinned.copy_(gpu, non_blocking=True)))
+    base_h2d = harness.gbps(total, timed(lambda: gpu.copy_(pinned, non_blocking=True)))
     print(f"contiguous pinned copy: GPU->CPU {base_d2h:.1f} GB/s, CPU->GPU {base_h2d:.1f} GB/s")
     bufs = Buffers(gpu, gpu2, pinned, pinned2, pageable)
     rows: list[dict[str, Any]] = []
@@ -431,8 +435,7 @@ def main() -> int:
         report["pin"] = bench_pin()
         print(f"pin: {report['pin']}")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        harness.write_json(args.json, report, facts=harness.run_facts())
     return 0
 
 

@@ -54,6 +54,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvoffload.tools.bench.harness import ratio, run_facts, write_json
+
 MODEL: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -435,11 +437,11 @@ def main() -> int:
             row[name] = {
                 "ms": t * 1e3,
                 "load_ms": (t - gpu) * 1e3,
-                "load_vs_floor": (t - gpu) / floor if floor else None,
-                "vs_cold": t / cold,
-                "vs_example": t / example,
+                "load_vs_floor": ratio(t - gpu, floor),
+                "vs_cold": ratio(t, cold),
+                "vs_example": ratio(t, example),
                 "floor_ms": floor * 1e3 if floor else None,
-                "vs_floor": t / floor if floor else None,
+                "vs_floor": ratio(t, floor),
                 "cached_tokens": run.steps[label]["cached_tokens"][0],
                 "page_cache_dropped": run.steps[label]["page_cache_dropped"],
             }
@@ -459,8 +461,7 @@ def main() -> int:
         shared_part(run, args, report, warm, disk_kinds[0])
     report["engine_start_s"] = run.starts
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
+        write_json(args.json, report, facts=run_facts())
     return 0
 
 
