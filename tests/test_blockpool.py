@@ -9,7 +9,7 @@ import pytest
 import torch
 from kvoffload.backends.cpu import CPUBackend
 
-from kvoffload import blockpool
+from kvoffload import blockcopy, blockpool
 from kvoffload.blockpool import BlockPool, Chooser, run_queue
 from kvoffload.config import CPUTierConfig
 from kvoffload.exceptions import LayoutMismatchError
@@ -191,10 +191,10 @@ def _strategy_pool(
     monkeypatch.setattr(BlockPool, "_choosing", lambda self, nbytes: True)
     monkeypatch.setattr(Chooser, "pick", lambda self: 0 if strategy == "team" else 1)
     if strategy == "queue":
-        monkeypatch.setattr(blockpool, "SERIAL_ELEMS", 40)  # 1-2 rows per call here
+        monkeypatch.setattr(blockcopy, "SERIAL_ELEMS", 40)  # 1-2 rows per call here
     elif strategy == "queue-rows":
-        monkeypatch.setattr(blockpool, "SERIAL_ELEMS", 1)  # every row "too long"
-        monkeypatch.setattr(blockpool, "_TASK_BYTES", 1)  # one row per numpy task
+        monkeypatch.setattr(blockcopy, "SERIAL_ELEMS", 1)  # every row "too long"
+        monkeypatch.setattr(blockcopy, "_TASK_BYTES", 1)  # one row per numpy task
     return BlockPool(caches, block_dim=block_dim)
 
 

@@ -115,6 +115,9 @@ LAYERS: Final[dict[int, tuple[str, tuple[str, ...]]]] = {
         "data movement",
         (
             "blockpool",
+            # The block pool's parts: its layout (row views, checks) and its copies.
+            "blockrows",
+            "blockcopy",
             "cudacopy",
             "transfer",
             "books",
