@@ -101,7 +101,16 @@ LAYERS: Final[dict[int, tuple[str, tuple[str, ...]]]] = {
     ),
     2: (
         "bookkeeping",
-        ("manager", "lru_manager", "server_manager", "server_events", "policies", "plans"),
+        (
+            "manager",
+            "lru_manager",
+            # The byte-budget part of the books, a mixin of lru_manager's.
+            "budget",
+            "server_manager",
+            "server_events",
+            "policies",
+            "plans",
+        ),
     ),
     3: (
         "storage",
