@@ -1,75 +1,69 @@
 """The Offloader's books: what moves where, decided under one lock, on keys and slots.
 
 The Offloader's rule is that its lock is held for bookkeeping only, never while bytes
-move. This module is that bookkeeping on its own: planning loads and stores, admission
-(``admit_after_hits``), backpressure (``max_pending_stores``, ``max_store_delay_ms``),
-the cascade into lower tiers (``write_through``, ``on_evict``), verified claims and
-their prefetches, and the counters. It sees tiers only through
-:class:`~kvoffload.manager.OffloadingManager` and does not import torch: what it decides
-comes out as *orders* (a :class:`Write` into a tier, a :class:`LoadPlan`) that carry
-everything their job needs, and each job's outcome (:class:`~kvoffload.plans.WriteOutcome`,
-:class:`~kvoffload.plans.LoadOutcome`) comes back to :meth:`Books.settle`, which books
-it in one transaction (counters, breakers, the managers' completion, prefetches) and
-returns the next orders (cascade copies, a load's promotion). Data flows one way:
-books -> orders -> jobs -> outcomes -> books; a job never calls in here. So cascade and
-admission can be tested on plain keys, with no thread and no tensor
-(``tests/test_books.py``), and a job takes the lock twice: once planned, once settled.
+move and never across I/O. This module is that bookkeeping's entry points: planning
+loads and stores, verified claims and their prefetches (:mod:`kvoffload.claims`),
+settling outcomes (:mod:`kvoffload.settlement`), the cascade into lower tiers with
+admission and backpressure (:mod:`kvoffload.cascade`), the breakers
+(:mod:`kvoffload.breaker`), and the snapshots the facade reads (counters, checks,
+events, what each tier holds). It sees tiers only through
+:class:`~kvoffload.manager.OffloadingManager` and does not import torch: what it
+decides comes out as *orders* (a :class:`Write` into a tier, a :class:`LoadPlan`, a
+:class:`Discard`) that carry everything their job needs, and each job's outcome
+(:class:`~kvoffload.plans.WriteOutcome`, :class:`~kvoffload.plans.LoadOutcome`) comes
+back to :meth:`Books.settle`, which books it in one transaction and returns the next
+orders. Data flows one way: books -> orders -> jobs -> outcomes -> books; a job never
+calls in here. So cascade and admission can be tested on plain keys, with no thread
+and no tensor (``tests/test_books.py``), and a job takes the lock twice: once planned,
+once settled.
 
-Every public method takes the lock itself, and is one transaction.
+Every public method takes the lock itself, and is one transaction. No backend is
+called under it but through the allocator's ``on_free`` hook (memory work only) and
+the medium's own consistency check (:meth:`Books.check`): a block dropped for good is
+forgotten on its medium by a :class:`Discard` order, run after the lock is released
+(:meth:`Books.discard`), its slot held back from new stores until then
+(:mod:`kvoffload.withheld`).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
-from typing import Any, Final
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any
 
+from kvoffload.breaker import Breakers
+from kvoffload.cascade import HIT_COUNTS as HIT_COUNTS
+from kvoffload.cascade import HIT_COUNTS_MIN as HIT_COUNTS_MIN
+from kvoffload.cascade import HIT_COUNTS_PER_BLOCK as HIT_COUNTS_PER_BLOCK
+from kvoffload.cascade import Cascade
+from kvoffload.cascade import hit_counts_bound as hit_counts_bound
 from kvoffload.claims import Claims
 from kvoffload.config import TierConfig
 from kvoffload.keys import BlockKey
-from kvoffload.manager import OffloadingManager
+from kvoffload.manager import OffloadingEvent, OffloadingManager
+from kvoffload.metrics import tier_values
+from kvoffload.mirror import held, mirror
 from kvoffload.plans import (
-    Copy,
+    Discard,
     LoadOutcome,
     LoadPlan,
+    Order,
     Outcome,
     Prefetch,
+    PrefetchStats,
     Run,
-    Tally,
     TierStats,
     Write,
-    WriteOutcome,
 )
+from kvoffload.settlement import Settlement
+from kvoffload.withheld import Withheld
 
 logger = logging.getLogger(__name__)
 
-HIT_COUNTS: Final = 1 << 20
-"""Most keys whose load count the admission filter remembers (least recent forgotten),
-whatever the tiers hold; the bound in force is usually :func:`hit_counts_bound`."""
-
-HIT_COUNTS_PER_BLOCK: Final = 4
-"""Load counts remembered per block the tiers can hold together (see
-:func:`hit_counts_bound`)."""
-
-HIT_COUNTS_MIN: Final = 4096
-"""Load counts remembered at least, however small the tiers."""
-
-
-def hit_counts_bound(capacities: Sequence[int]) -> int:
-    """How many keys the admission filter's load counts remember, for tiers holding
-    ``capacities`` blocks: :data:`HIT_COUNTS_PER_BLOCK` per block they hold together
-    (at least :data:`HIT_COUNTS_MIN`, at most :data:`HIT_COUNTS`).
-
-    A count matters only while its block is held somewhere or may soon be computed
-    again: beyond a few times what the whole hierarchy holds, the least recently loaded
-    keys are long gone from every tier. Every distinct block loaded adds an entry (~150
-    bytes with its key), so a flat 2^20 cap (~150 MiB) let a long run's memory grow
-    linearly for hours: about 2 MiB a minute under ``kvoffload stress``'s multi-turn
-    soak (tests/test_soak.py), whose tiers hold 320 blocks."""
-    return min(HIT_COUNTS, max(HIT_COUNTS_MIN, HIT_COUNTS_PER_BLOCK * sum(capacities)))
+CHECK_WAIT_S = 5.0
+"""Longest :meth:`Books.check` waits for discards in flight (their slots held back)."""
 
 
 class Books:
@@ -77,7 +71,7 @@ class Books:
 
     ``depth(t)`` is the number of store jobs queued or running for tier ``t`` (for
     backpressure); ``discard(t, slots)`` forgets blocks on tier ``t``'s medium (blocks
-    found corrupt, so a restart does not recover them)."""
+    found corrupt, or cleared), called by :meth:`discard` outside the lock."""
 
     def __init__(
         self,
@@ -89,25 +83,14 @@ class Books:
         prefetch_max_inflight: int,
         load_timeout_s: float = 10.0,
         depth: Callable[[int], int],
-        discard: Callable[[int, list[int]], None],
+        discard: Callable[[int, list[int]], None] | None = None,
     ) -> None:
         self.managers = list(managers)
         self.configs = list(configs)
         self.bpb = bytes_per_block
         self.persistent = list(persistent)
-        self._depth = depth
         self._discard = discard
         self.lock = threading.Lock()
-        self._hit_counts: OrderedDict[BlockKey, int] = OrderedDict()
-        # Bounded by what the tiers hold, not by a flat 2^20 (see hit_counts_bound).
-        self._hit_counts_cap = hit_counts_bound([m.capacity for m in self.managers])
-        # Load counts serve only the admission filter: without one, nobody counts them.
-        self._counting = any(c.admit_after_hits for c in self.configs)
-        self._job_seconds = [0.0] * len(self.managers)  # moving average per store job
-        # Circuit breaker per tier: failed reads or writes in a row, and until when
-        # (time.monotonic) the tier is bypassed after they reached breaker_errors.
-        self._failures = [0] * len(self.managers)
-        self._bypass_until = [0.0] * len(self.managers)
         first = self.managers[0].capacity
         budget = max(1, min(prefetch_max_inflight // bytes_per_block, first // 2))
         self.load_timeout_s = load_timeout_s
@@ -120,6 +103,18 @@ class Books:
         below = len(self.managers) > 1 and not self.persistent[0]
         self.claims = Claims(self.managers, self.stats[0], budget, load_timeout_s, below=below)
         self.prefetch_stats = self.claims.stats
+        self.breakers = Breakers(self.configs, self.stats)
+        self.cascade = Cascade(self.managers, self.configs, self.stats, self.breakers, depth)
+        self.withheld = Withheld(self.managers, self.lock)
+        self._settle = Settlement(
+            self.managers,
+            self.stats,
+            bytes_per_block,
+            breakers=self.breakers,
+            cascade=self.cascade,
+            claims=self.claims,
+            withheld=self.withheld,
+        )
 
     # -- lookups and plans ---------------------------------------------------------------
     def lookup(self, keys: Sequence[BlockKey]) -> int:
@@ -146,13 +141,15 @@ class Books:
         with self.lock:
             return self.managers[0].lookup(keys)
 
-    def clear_first(self) -> int:
-        """Drop every block the first tier holds that nobody has pinned; how many."""
+    def clear_first(self) -> tuple[int, list[Discard]]:
+        """Drop every block the first tier holds that nobody has pinned: how many, and
+        the order that forgets them on the medium (for :meth:`discard`, once this has
+        returned; their slots serve no store before)."""
         with self.lock:
             manager = self.managers[0]
             idle = [k for k in manager.held_keys() if manager.idle(k)]
-            self._discard(0, manager.remove(idle))
-            return len(idle)
+            order = self.withheld.drop(0, idle)
+            return len(idle), [] if order is None else [order]
 
     def _ask_servers(self, keys: Sequence[BlockKey], owner: Hashable = None) -> None:
         """Before a lookup: ask each tier whose books are its server's which of the
@@ -173,7 +170,22 @@ class Books:
         answers = [(t, self.managers[t].refresh(rest)) for t in asked]
         with self.lock:
             for t, ok in answers:
-                self._health(t, ok)
+                self.breakers.health(t, ok)
+
+    def _locate(self, keys: Sequence[BlockKey]) -> list[int]:
+        """For the longest held prefix: the index of the fastest tier holding each key."""
+        # The first tier's ready prefix in one batched call (the usual whole answer).
+        located = [0] * self.managers[0].lookup(keys)
+        if len(located) == len(keys) or len(self.managers) == 1:
+            return located
+        for key in keys[len(located) :]:
+            for t, manager in enumerate(self.managers):
+                if manager.ready(key) and not self.bypassed(t):
+                    located.append(t)
+                    break
+            else:
+                break
+        return located
 
     def plan_store(
         self, keys: Sequence[BlockKey], pool_ids: Sequence[int], now: float, after: Any = None
@@ -181,7 +193,7 @@ class Books:
         """The first tier's write of an engine store, slots reserved; ``None`` when the
         store is dropped (queue full or too slow) or no room could be made (counted)."""
         with self.lock:
-            if not self._accepts(0, len(keys)):
+            if not self.cascade.accepts(0, len(keys)):
                 return None
             out = self.managers[0].prepare_store(keys)
             if out is None:
@@ -203,7 +215,7 @@ class Books:
                 submitted=now,
                 after=after,
             )
-            self._ready_demotion(write)
+            self.cascade.ready_demotion(write)
             return write
 
     def plan_load(self, keys: Sequence[BlockKey]) -> LoadPlan:
@@ -234,7 +246,7 @@ class Books:
         """Release a plan that will not be (or could not be) loaded; a miss."""
         with self.lock:
             if not plan.settled:
-                self._settle_load(plan, valid=0, corrupt={})
+                self._settle.load(plan, valid=0, corrupt={})
 
     # -- verified claims (kvoffload/claims.py, under this lock) -------------------------
     def claim(
@@ -248,15 +260,15 @@ class Books:
             bypassed = [t for t in range(1, len(self.managers)) if self.bypassed(t)]
             plan, started = self.claims.claim(owner, keys, bypassed)
             for p in started:
-                self._ready_demotion(p.write)
-            self._undo_cancelled()
+                self.cascade.ready_demotion(p.write)
+            self._settle.undo_cancelled()
             return plan, started
 
     def prefetch_refused(self, p: Prefetch) -> None:
         """A prefetch whose job could not be queued: undo it (its owners ask again)."""
         with self.lock:
             self.claims.refused(p)
-            self._undo_cancelled()
+            self._settle.undo_cancelled()
 
     def narrow(self, plan: LoadPlan, start: int, stop: int) -> LoadPlan:
         """A plan for ``plan.keys[start:stop]`` (pinned), releasing ``plan`` quietly."""
@@ -272,20 +284,20 @@ class Books:
                 if lo < hi:
                     slots = self.managers[run.tier].prepare_load(plan.keys[lo:hi])
                     part.runs.append(Run(run.tier, lo - start, hi - start, slots))
-            self._unpin(plan)
+            self._settle.unpin(plan)
             return part
 
     def unclaim(self, plan: LoadPlan) -> None:
         """Unpin a claimed plan that will not be loaded, counting nothing."""
         with self.lock:
-            self._unpin(plan)
+            self._settle.unpin(plan)
 
     def release(self, owner: Hashable) -> None:
         """Forget ``owner``'s pending claim; cancel its prefetches that nobody else
         waits for and that have not started (their reserved slots freed)."""
         with self.lock:
             self.claims.release(owner)
-            self._undo_cancelled()
+            self._settle.undo_cancelled()
 
     def prefetch_starts(self, p: Prefetch) -> bool:
         """A prefetch job begins: ``False`` if it was cancelled meanwhile (skip it)."""
@@ -293,32 +305,56 @@ class Books:
             return self.claims.starts(p)
 
     # -- outcomes ----------------------------------------------------------------------
-    def settle(self, out: Outcome) -> list[Copy]:
-        """Book a job's outcome in one transaction: its I/O counters and the breakers
-        (its :class:`~kvoffload.plans.Tally`), then a write's blocks ready or dropped
-        and its source unpinned (and its prefetch settled), or a load's plan unpinned,
-        its corrupt blocks dropped and its hits counted. Returns the next orders: the
-        next tier's copies (``write_through``, ``on_evict``, ``admit_after_hits``) and a
-        load's promotion of the blocks it read from below."""
+    def settle(self, out: Outcome) -> list[Order]:
+        """Book a job's outcome in one transaction (:mod:`kvoffload.settlement`): its
+        I/O counters and the breakers (its :class:`~kvoffload.plans.Tally`), then a
+        write's blocks ready or dropped and its source unpinned (and its prefetch
+        settled), or a load's plan unpinned, its corrupt blocks dropped and its hits
+        counted. Returns the next orders: the next tier's copies (``write_through``,
+        ``on_evict``, ``admit_after_hits``), a load's promotion of the blocks it read
+        from below, and the discards of blocks dropped for good (for :meth:`discard`,
+        once this has returned)."""
         with self.lock:
-            self._apply(out.tally)
+            self._settle.apply(out.tally)
             if isinstance(out, LoadOutcome):
-                return self._settle_load_job(out)
-            orders = self._settle_write(out)
+                return self._settle.load_job(out)
+            orders = self._settle.write(out)
             if out.prefetch is not None:
                 self.claims.settle(out.prefetch, out.seconds)
             return orders
 
+    def discard(self, orders: Iterable[Discard]) -> None:
+        """Carry out discard orders, outside the lock (call it holding nothing): each
+        tier's medium forgets the blocks, then their slots, held back until now, go
+        back to the free list (a second short transaction). A medium that fails to
+        forget is logged: its slots are freed all the same, as a write into one
+        replaces what it held."""
+        for order in orders:
+            try:
+                if self._discard is not None:
+                    self._discard(order.tier, order.slots)
+            except Exception:
+                logger.warning(
+                    "tier %s: discard of %d blocks failed; a restart may find them (and "
+                    "check them)",
+                    self.configs[order.tier].name,
+                    len(order.slots),
+                    exc_info=True,
+                )
+            finally:
+                with self.lock:
+                    self.withheld.release(order)
+
     def abort_write(self, w: Write) -> None:
         """Undo a write that never ran (its job was refused)."""
         with self.lock:
-            self._abort_write(w)
+            self._settle.abort_write(w)
 
     def bypassed(self, t: int) -> bool:
         """Whether tier ``t``'s breaker is open now (call under the lock)."""
-        return t > 0 and time.monotonic() < self._bypass_until[t]
+        return self.breakers.bypassed(t)
 
-    # -- introspection -----------------------------------------------------------------
+    # -- snapshots, each one transaction -----------------------------------------------
     def pinned(self) -> list[int]:
         with self.lock:
             return [m.pinned() for m in self.managers]
@@ -327,326 +363,67 @@ class Books:
         with self.lock:
             return self.claims.counts()
 
-    # -- under the lock ----------------------------------------------------------------
-    def _apply(self, tally: Tally) -> None:
-        """A job's I/O into the counters and the breakers."""
-        for t, seconds, nbytes in tally.reads:
-            stats = self.stats[t]
-            stats.read_seconds += seconds
-            stats.bytes_read += nbytes
-        for t, seconds in tally.writes:
-            self.stats[t].write_seconds += seconds
-        for t, ok in tally.health:
-            self._health(t, ok)
+    def check(self, media: Sequence[Callable[[], list[str]]]) -> list[list[str]]:
+        """Per tier, the consistency problems of its books and of its medium (each
+        tier's ``media`` check, run under the lock because it reads the slot allocator
+        the books change: a diagnostic, no I/O of its own). Waits first, briefly, for
+        discards in flight, whose held-back slots the allocator counts used and no
+        block holds."""
+        with self.lock:
+            if not self.withheld.settled(CHECK_WAIT_S):
+                logger.warning("check: discards still in flight after %.0f s", CHECK_WAIT_S)
+            return [m.check() + c() for m, c in zip(self.managers, media, strict=True)]
 
-    def _health(self, t: int, ok: bool) -> None:
-        """A read or write of tier ``t`` succeeded or failed (an I/O error, not a block
-        found invalid): feeds the tier's circuit breaker. Enough failures in a row
-        (``breaker_errors``) bypass the tier for ``breaker_backoff_ms``; when that has
-        passed, the next operation is the probe: a success closes the breaker, a
-        failure trips it again at once (the count is still over the limit)."""
-        if ok:
-            self._failures[t] = 0
-            self.stats[t].breaker_open = 0
-            return
-        self._failures[t] += 1
-        cfg = self.configs[t]
-        now = time.monotonic()
-        tripped = cfg.breaker_errors and self._failures[t] >= cfg.breaker_errors
-        if tripped:  # open, or probed and failed again: open until a success
-            self.stats[t].breaker_open = 1
-        if tripped and now >= self._bypass_until[t]:
-            self._bypass_until[t] = now + cfg.breaker_backoff_ms / 1e3
-            self.stats[t].breaker_trips += 1
-            logger.warning(
-                "tier %s: %d failed reads or writes in a row; bypassing it for %.1f s",
-                self.configs[t].name,
-                self._failures[t],
-                cfg.breaker_backoff_ms / 1e3,
-            )
+    def pull(self, io: Sequence[Mapping[str, int]], capacity_bytes: Sequence[int]) -> None:
+        """Bring the stats up to date with what the backends count themselves (each
+        tier's :meth:`~kvoffload.backend.Backend.io_counters`, read by the caller
+        outside the lock) and with what each tier holds now."""
+        with self.lock:
+            self._pull(io, capacity_bytes)
 
-    def _settle_write(self, out: WriteOutcome) -> list[Copy]:
-        """A finished write: ready or dropped, unpin the source, then the cascade
-        orders for the next tier. A write whose bytes sit in a buffer (``out.buf``)
-        hands it to the write-through copy, instead of the copy reading the blocks
-        back from this tier; displaced blocks read into ``out.demoted`` go down
-        (``on_evict``)."""
-        w, ok = out.write, out.ok
-        manager, stats = self.managers[w.tier], self.stats[w.tier]
-        if all(ok):
-            stored, lost = w.keys, []
-        else:
-            stored = [k for k, good in zip(w.keys, ok, strict=True) if good]
-            lost = [k for k, good in zip(w.keys, ok, strict=True) if not good]
-            manager.complete_store(lost, success=False)
-        if out.charges is not None:  # what each block took in a budgeted tier
-            took = [c for c, good in zip(out.charges, ok, strict=True) if good]
-            manager.charge(stored, took, unplaced=out.unplaced)
-        manager.complete_store(stored, success=True)
-        if out.failed:
-            stats.store_errors += len(w.keys)
-        stats.rejected_stores += out.unplaced  # no room found as it wrote
-        stats.blocks_stored += len(stored)
-        stats.bytes_written += len(stored) * self.bpb
-        elapsed = time.perf_counter() - w.submitted
-        stats.store_latency_s.append(elapsed)
-        avg = self._job_seconds[w.tier]
-        self._job_seconds[w.tier] = elapsed if avg == 0.0 else 0.8 * avg + 0.2 * elapsed
-        if w.src_tier is not None:
-            self.managers[w.src_tier].complete_load(w.keys)
-            if out.corrupt:  # they leave their tier for good
-                self._drop_corrupt(w.src_tier, out.corrupt)
-        orders: list[Copy] = []
-        nxt = w.tier + 1
-        if nxt < len(self.managers):
-            if out.demoted is not None:
-                copy = self._plan_copy(nxt, out.evicted, buffered=True)
-                if copy is not None:
-                    orders.append(Copy(copy, "demoted"))
-            if stored and self.configs[nxt].write_policy == "write_through":
-                admitted = self._admitted(nxt, stored)
-                if admitted and out.buf is not None:
-                    row = {k: i for i, k in enumerate(w.keys)}
-                    rows = [row[k] for k in admitted]
-                    copy = self._plan_copy(nxt, admitted, buffered=True, rows=rows)
-                    if copy is not None:
-                        orders.append(Copy(copy, "written"))
-                elif admitted:
-                    copy = self._plan_copy(nxt, admitted, src_tier=w.tier)
-                    if copy is not None:
-                        orders.append(Copy(copy, "tier"))
-        return orders
+    def counters(
+        self, io: Sequence[Mapping[str, int]], capacity_bytes: Sequence[int]
+    ) -> tuple[dict[str, dict[str, int | float]], PrefetchStats]:
+        """:meth:`pull`, then every tier's counters (by tier name) and the prefetch
+        counters, as one consistent snapshot."""
+        with self.lock:
+            self._pull(io, capacity_bytes)
+            tiers = {s.name: tier_values(s) for s in self.stats}
+            return tiers, replace(self.prefetch_stats)
 
-    def _settle_load_job(self, out: LoadOutcome) -> list[Copy]:
-        """A finished load job: its promotion first (the valid promoted blocks in its
-        staging buffer), then unpin, touch the loaded prefix, drop corrupt blocks,
-        count hits, and the admission-triggered copies."""
-        plan = out.plan
-        orders: list[Copy] = []
-        if out.buf is not None and out.error is None:
-            write = self._promotion(plan, out.valid, out.staged)
-            if write is not None:
-                orders.append(Copy(write, "loaded"))
-        orders += self._settle_load(plan, out.valid, out.corrupt)
-        deepest = max((r.tier for r in plan.runs), default=0)
-        self.stats[deepest].load_latency_s.append(time.perf_counter() - out.submitted)
-        return orders
+    def _pull(self, io: Sequence[Mapping[str, int]], capacity_bytes: Sequence[int]) -> None:
+        for args in zip(self.stats, io, capacity_bytes, self.managers, strict=True):
+            mirror(*args)
 
-    def _promotion(self, plan: LoadPlan, valid: int, staged: list[bool]) -> Write | None:
-        """The first-tier write of a load's promoted blocks that are valid and in the
-        staging buffer (``write.rows``: their rows in it); the other reserved
-        promotion slots are freed."""
-        if not plan.promote_keys:
+    def take_events(self) -> list[list[OffloadingEvent]]:
+        """Per tier, its stored / removed records since the previous call."""
+        with self.lock:
+            return [m.take_events() for m in self.managers]
+
+    def ready_by_tier(self, keys: Sequence[BlockKey]) -> tuple[list[list[bool] | None], list[bool]]:
+        """Per tier, per key, whether the tier's books hold the block ready (``None``
+        for a tier whose books are its server's: ask it), and per tier whether its
+        breaker bypasses it now; one transaction."""
+        with self.lock:
+            ready = [None if m.server_booked else [m.ready(k) for k in keys] for m in self.managers]
+            return ready, [self.bypassed(t) for t in range(len(self.managers))]
+
+    def blocks(self) -> list[int | None]:
+        """Per tier, the blocks its books hold (``None`` for a server's books)."""
+        with self.lock:
+            return [held(m) for m in self.managers]
+
+    def take_slot(self, t: int, key: BlockKey) -> tuple[list[int], list[int]] | None:
+        """Room in tier ``t`` for ``key`` as a store makes it: its slots, and the
+        victims' slots it does not reuse (a budgeted tier's, for ``Backend.released``);
+        ``None`` if there is none. The key is then being written until given back."""
+        with self.lock:
+            out = self.managers[t].prepare_store([key])
+        if out is None or not out.keys_to_store:
             return None
-        pos = {k: i for i, k in enumerate(plan.keys)}
-        rows = [pos[k] for k in plan.promote_keys]
-        # Only blocks that went through the buffer can be written from it: one copied
-        # straight from a memory tier into the pool is not promoted (it is fast where it
-        # is).
-        keep = [i for i, r in enumerate(rows) if r < valid and staged[r]]
-        write = Write(
-            0,
-            [plan.promote_keys[i] for i in keep],
-            [plan.promote_slots[i] for i in keep],
-            rows=[rows[i] for i in keep],
-            evicted=plan.promote_evicted,
-            submitted=time.perf_counter(),
-        )
-        kept = set(keep)
-        dropped = [plan.promote_keys[i] for i in range(len(rows)) if i not in kept]
-        plan.promote_keys = []
-        self.managers[0].complete_store(dropped, success=False)
-        self.stats[0].promotions += len(keep)
-        self._ready_demotion(write)
-        return write
+        return list(out.slots), [s for s in out.evicted_slots if s not in out.slots]
 
-    def _locate(self, keys: Sequence[BlockKey]) -> list[int]:
-        """For the longest held prefix: the index of the fastest tier holding each key."""
-        # The first tier's ready prefix in one batched call (the usual whole answer).
-        located = [0] * self.managers[0].lookup(keys)
-        if len(located) == len(keys) or len(self.managers) == 1:
-            return located
-        for key in keys[len(located) :]:
-            for t, manager in enumerate(self.managers):
-                if manager.ready(key) and not self.bypassed(t):
-                    located.append(t)
-                    break
-            else:
-                break
-        return located
-
-    def _accepts(self, t: int, n: int) -> bool:
-        """Whether tier ``t`` takes a new store job now; counts the drop if not."""
-        cfg = self.configs[t]
-        if self.bypassed(t):
-            self.stats[t].bypassed_stores += n
-            return False
-        depth = self._depth(t)
-        full = depth >= cfg.max_pending_stores
-        if not full and cfg.max_store_delay_ms is not None:
-            full = depth * self._job_seconds[t] * 1e3 > cfg.max_store_delay_ms
-        if full:
-            self.stats[t].dropped_stores += n
-        return not full
-
-    def _admitted(self, t: int, keys: Sequence[BlockKey]) -> list[BlockKey]:
-        need = self.configs[t].admit_after_hits
-        if need == 0:
-            return list(keys)
-        counts = self._hit_counts
-        admitted = [k for k in keys if counts.get(k, 0) >= need]
-        self.stats[t].not_admitted += len(keys) - len(admitted)
-        return admitted
-
-    def _ready_demotion(self, w: Write) -> None:
-        """Decide, as ``w`` is planned, which of its displaced blocks go down: the next
-        tier's (``on_evict``) admitted ones. ``w.evicted`` is narrowed to them and
-        ``w.demote`` says whether there are any, so the job reads exactly those before
-        overwriting their slots, and asks nobody. Also which displaced slots the write
-        does not reuse (``w.released``: a budgeted tier's parked victims)."""
-        if len(w.evicted) > len(w.slots):  # a budgeted tier's victims beyond its slots
-            reused = set(w.slots)
-            w.released = [slot for _, slot in w.evicted if slot not in reused]
-        nxt = w.tier + 1
-        if not (
-            w.evicted and nxt < len(self.managers) and self.configs[nxt].write_policy == "on_evict"
-        ):
-            w.demote = False
-            return
-        admitted = set(self._admitted(nxt, [k for k, _ in w.evicted]))
-        if len(admitted) < len(w.evicted):
-            w.evicted = [e for e in w.evicted if e[0] in admitted]
-        w.demote = bool(w.evicted)
-
-    def _plan_copy(
-        self,
-        t: int,
-        keys: list[BlockKey],
-        *,
-        src_tier: int | None = None,
-        buffered: bool = False,
-        rows: list[int] | None = None,
-    ) -> Write | None:
-        """A copy of ``keys`` into tier ``t``: from a buffer whose row ``rows[i]``
-        (default ``i``) holds ``keys[i]`` (``write.rows`` then says which rows to take),
-        or from ``src_tier``, where the blocks are pinned until the copy has read them.
-        Keys the tier already holds, or is writing, are left out; ``None`` when nothing
-        is left, or the tier refuses (counted)."""
-        manager = self.managers[t]
-        keep = [i for i, k in enumerate(keys) if not manager.holds(k)]
-        picked = [(rows[i] if rows is not None else i) for i in keep]
-        keys = [keys[i] for i in keep]
-        if not keys:
-            return None
-        if not self._accepts(t, len(keys)):  # counts the drop
-            return None
-        out = manager.prepare_store(keys)
-        if out is None:
-            self.stats[t].rejected_stores += len(keys)
-            return None
-        if out.keys_to_store != keys:  # repeated keys were merged
-            first = {k: picked[i] for i, k in reversed(list(enumerate(keys)))}
-            picked = [first[k] for k in out.keys_to_store]
-        self.stats[t].evictions += len(out.evicted)
-        write = Write(
-            t,
-            out.keys_to_store,
-            out.slots,
-            rows=picked if buffered else None,
-            evicted=list(zip(out.evicted, out.evicted_slots, strict=True)),
-            submitted=time.perf_counter(),
-        )
-        self._ready_demotion(write)
-        if src_tier is not None:
-            write.src_tier = src_tier
-            write.src_slots = self.managers[src_tier].prepare_load(out.keys_to_store)
-        return write
-
-    def _abort_write(self, w: Write) -> None:
-        self.managers[w.tier].complete_store(w.keys, success=False)
-        if w.src_tier is not None:
-            self.managers[w.src_tier].complete_load(w.keys)
-
-    def _undo_cancelled(self) -> None:
-        """Undo the writes of the prefetches the claims just cancelled."""
-        for w in self.claims.cancelled():
-            self._abort_write(w)
-
-    def _drop_corrupt(self, t: int, keys: Sequence[BlockKey]) -> None:
-        """Drop blocks a read found invalid, so they stay misses after a restart. One
-        pinned by another reader is left to that reader, which will find it invalid
-        too."""
-        manager = self.managers[t]
-        if manager.server_booked:  # most likely evicted by the server after the lookup
-            manager.remove(keys)
-            self.stats[t].lost_blocks += len(keys)
-            return
-        free = [k for k in keys if manager.idle(k)]
-        if free:
-            self._discard(t, manager.remove(free))
-        self.stats[t].corrupt_blocks += len(keys)
-
-    def _settle_load(
-        self, plan: LoadPlan, valid: int, corrupt: dict[int, list[BlockKey]]
-    ) -> list[Copy]:
-        if plan.settled:
-            return []
-        plan.settled = True
-        if plan.promote_keys:  # never written: cancelled, or the job failed early
-            self.managers[0].complete_store(plan.promote_keys, success=False)
-            plan.promote_keys = []
-        loaded = plan.keys[:valid]
-        for run in plan.runs:
-            manager = self.managers[run.tier]
-            keys = plan.keys[run.start : run.stop]
-            manager.complete_load(keys)
-            manager.touch(keys[: max(0, valid - run.start)])
-        for t, bad in corrupt.items():
-            self._drop_corrupt(t, bad)
-        # Each requested block is a hit in the tier that served it and a miss in every
-        # tier above; one not served is a miss in every tier. A block a claim prefetched
-        # from a lower tier was served by that tier (through the first).
-        prefetched = self.claims.loaded(loaded)
-        reached = plan.requested
-        for t, stats in enumerate(self.stats):
-            served = sum(max(0, min(r.stop, valid) - r.start) for r in plan.runs if r.tier == t)
-            served += prefetched.get(t, 0) - (sum(prefetched.values()) if t == 0 else 0)
-            stats.hits += served
-            stats.misses += reached - served
-            reached -= served
-        return self._count_hits(loaded)
-
-    def _unpin(self, plan: LoadPlan) -> None:
-        """Settle a plan without a load: unpin, count nothing."""
-        if plan.settled:
-            return
-        plan.settled = True
-        if plan.promote_keys:
-            self.managers[0].complete_store(plan.promote_keys, success=False)
-            plan.promote_keys = []
-        for run in plan.runs:
-            self.managers[run.tier].complete_load(plan.keys[run.start : run.stop])
-
-    def _count_hits(self, loaded: Sequence[BlockKey]) -> list[Copy]:
-        """Remember load counts for the admission filter; write-through copies of
-        blocks that just reached a lower tier's ``admit_after_hits``."""
-        if not loaded or not self._counting:
-            return []
-        counts = self._hit_counts
-        for key in loaded:
-            counts[key] = counts.get(key, 0) + 1
-            counts.move_to_end(key)
-        while len(counts) > self._hit_counts_cap:
-            counts.popitem(last=False)
-        orders: list[Copy] = []
-        for t in range(1, len(self.managers)):
-            cfg = self.configs[t]
-            if cfg.admit_after_hits and cfg.write_policy == "write_through":
-                ready = [k for k in loaded if counts[k] == cfg.admit_after_hits]
-                src = self.managers[t - 1]
-                ready = [k for k in ready if src.ready(k)]
-                if ready:
-                    copy = self._plan_copy(t, ready, src_tier=t - 1)
-                    if copy is not None:
-                        orders.append(Copy(copy, "tier"))
-        return orders
+    def give_back_slot(self, t: int, key: BlockKey) -> None:
+        """Forget ``key`` in tier ``t`` as a failed store would (no "stored" record)."""
+        with self.lock:
+            self.managers[t].complete_store([key], success=False)

@@ -10,17 +10,17 @@ and the facade (:mod:`kvoffload.offloader`) hands the outcome to ``Books.settle`
 queues the orders that come back (:meth:`Jobs.stage` cuts their bytes out of the
 outcome's buffers). So a job runs, and is tested, on real tiers and a real pool with
 no books at all (``tests/test_jobs.py``). It holds no state of its own beyond
-references to those parts, and :class:`LoadsInFlight`, through which copies into a
-persistent tier let the engine's loads go first.
+references to those parts, and :class:`~kvoffload.inflight.LoadsInFlight`, through
+which copies into a persistent tier let the engine's loads go first; cutting the
+buffers the next orders take over is :mod:`kvoffload.staging`'s.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any, Final
+from typing import Any
 
 import torch
 
@@ -35,8 +35,11 @@ from kvoffload.datapath import (
     groups,
 )
 from kvoffload.exceptions import BackendError
+from kvoffload.inflight import LOAD_PRIORITY_WAIT_S as LOAD_PRIORITY_WAIT_S
+from kvoffload.inflight import LoadsInFlight
 from kvoffload.keys import BlockKey
 from kvoffload.plans import Copy, LoadOutcome, LoadPlan, Tally, Write, WriteOutcome
+from kvoffload.staging import Staging
 from kvoffload.tier import Tier
 from kvoffload.transfer import JobResult
 
@@ -46,39 +49,6 @@ DIRECT_MIN_BYTES = 1 << 20
 """Blocks from this size up are copied between a memory tier and the pool run by run
 of consecutive slots however scattered; smaller ones only when the runs are few (one
 call per run costs tens of microseconds on the host)."""
-LOAD_PRIORITY_WAIT_S: Final = 0.02
-"""Longest a copy into a persistent tier waits for in-flight loads to finish."""
-
-
-class LoadsInFlight:
-    """Loads (and prefetches) running now, so that a copy into a persistent tier can
-    let the disk serve them first (:meth:`wait`, bounded). Its own small lock, not the
-    books': it is a courtesy between lanes, not bookkeeping."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
-        self._active = 0
-
-    def begin(self) -> None:
-        with self._cond:
-            self._active += 1
-
-    def end(self) -> None:
-        with self._cond:
-            self._active -= 1
-            if not self._active:
-                self._cond.notify_all()
-
-    def wait(self, timeout: float = LOAD_PRIORITY_WAIT_S) -> None:
-        """Wait while loads are in flight, ``timeout`` at most."""
-        if not self._active:  # a hint read without the lock: at worst one wait skipped
-            return
-        with self._cond:
-            self._cond.wait_for(lambda: self._active == 0, timeout)
-
-    @property
-    def active(self) -> int:
-        return self._active
 
 
 class Jobs:
@@ -98,46 +68,20 @@ class Jobs:
         self.tier_configs = configs
         self._data = data
         self._buffers = data.buffers
+        self.staging = Staging(data.buffers)
         self.load_timeout_s = load_timeout_s
         self.loads = loads if loads is not None else LoadsInFlight()
         self.bpb = data.bpb
 
-    # -- the next orders' bytes ----------------------------------------------------------
+    # -- the next orders' bytes (kvoffload/staging.py) ---------------------------------
     def stage(self, orders: list[Copy], sources: dict[str, Any]) -> None:
-        """Give each order whose bytes are in one of an outcome's buffers (``sources``,
-        by :attr:`Copy.source`: ``written``, ``demoted``, ``loaded``) its rows of it, as
-        ``write.buf``; release the buffers no order took over. This call owns the
-        buffers in ``sources``; each order's ``buf`` is then the order's (released by
-        its write, or by :meth:`release` if it never runs)."""
-        left = dict(sources)
-        for order in orders:
-            w = order.write
-            src = left.get(order.source)
-            if src is None or not w.keys:
-                continue
-            assert w.rows is not None
-            w.buf = self._cut(src, w.rows, keep=True)
-            if w.buf.data_ptr() == src.data_ptr():
-                left[order.source] = None  # taken over by the order
-        for buf in left.values():
-            if buf is not None:
-                self._buffers.release(buf)
+        """Give each order its rows of an outcome's buffers (:meth:`Staging.stage
+        <kvoffload.staging.Staging.stage>`), releasing those no order took over."""
+        self.staging.stage(orders, sources)
 
     def release(self, w: Write) -> None:
         """Release the buffer of an order that will not run."""
-        if w.buf is not None:
-            self._buffers.release(w.buf)
-            w.buf = None
-
-    def _cut(self, buf: torch.Tensor, rows: list[int], *, keep: bool) -> torch.Tensor:
-        """``buf``'s ``rows``, in that order: ``buf``'s own leading rows when they are
-        (``keep``: the order takes ``buf`` over), else a copy (``buf`` stays with the
-        caller, who releases it)."""
-        if keep and rows == list(range(len(rows))):
-            return buf[: len(rows)]
-        sub = self._buffers.acquire(len(rows))
-        torch.index_select(buf, 0, torch.tensor(rows, dtype=torch.int64), out=sub)
-        return sub
+        self.staging.release(w)
 
     # -- the store path (job bodies run on lane threads) -------------------------------
     def write(self, w: Write, gate: StoreGate | None = None) -> WriteOutcome:
@@ -335,7 +279,7 @@ class Jobs:
             if not keys:
                 self._buffers.release(buf)
                 return
-            demote = self._cut(buf, [i for i, good in enumerate(ok) if good], keep=False)
+            demote = self.staging.cut(buf, [i for i, good in enumerate(ok) if good], keep=False)
             self._buffers.release(buf)
             buf = demote
         out.demoted, out.evicted = buf, keys

@@ -6,10 +6,10 @@ parts with one role each: :mod:`kvoffload.books` decides what moves where (under
 lock that is never held while bytes move) and :mod:`kvoffload.datapath` moves the
 bytes; :mod:`kvoffload.jobs` holds the job bodies that run on the lane threads, each
 carrying out one order and returning one outcome. This module is the engine-facing
-API over those parts, and the loop that joins them: an order goes to a lane, its job
-returns an outcome, ``Books.settle`` books it and returns the next orders, which go to
-their lanes (:meth:`Offloader._settle`). So a job takes the books' lock twice, once
-planned and once settled.
+API over those parts; :mod:`kvoffload.lanes` is the loop that joins them: an order goes
+to a lane, its job returns an outcome, ``Books.settle`` books it and returns the next
+orders, which go to their lanes (:meth:`Lanes.settle <kvoffload.lanes.Lanes.settle>`).
+So a job takes the books' lock twice, once planned and once settled.
 
 Store path (``submit_store``). The engine's blocks are gathered from the
 :class:`~kvoffload.blockpool.BlockPool` into the first tier, on that tier's store lane.
@@ -40,28 +40,30 @@ while loads are in flight, so the disk serves the engine's loads first.
 Threading. The engine calls ``submit_*``, ``prepare_load``, ``lookup`` and
 ``get_finished`` from one thread; jobs run on lane threads. All manager calls happen
 under the books' lock, which is held for O(blocks) bookkeeping only: never across a
-read, write, gather or scatter.
+read, write, gather, scatter or discard (a block dropped for good is forgotten on its
+medium once the lock is released, its slot held back from new stores until then).
+The facade never takes that lock itself: it asks the books for snapshots.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import replace
-from typing import Final
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 
 from kvoffload.blockpool import BlockPool
 from kvoffload.books import Books
 from kvoffload.config import KVOffloadConfig, TierConfig
 from kvoffload.datapath import DataPath, LayerProgress, LoadGate, StoreGate
-from kvoffload.jobs import Jobs, LoadsInFlight, ignore_result
+from kvoffload.inflight import LoadsInFlight
+from kvoffload.jobs import Jobs, ignore_result
 from kvoffload.keys import BlockKey
+from kvoffload.lanes import COPY_THREADS as COPY_THREADS
+from kvoffload.lanes import MAX_INFLIGHT_LOADS as MAX_INFLIGHT_LOADS
+from kvoffload.lanes import Lanes, open_workers
 from kvoffload.layout import KVLayout
-from kvoffload.lru_manager import LRUOffloadingManager
 from kvoffload.manager import OffloadingEvent
-from kvoffload.metrics import BACKEND_METRICS, tier_state, tier_values
-from kvoffload.plans import Copy, Outcome, Prefetch, Write, WriteOutcome
 from kvoffload.plans import LoadPlan as LoadPlan
 from kvoffload.plans import PrefetchStats as PrefetchStats
 from kvoffload.plans import TierStats as TierStats
@@ -69,13 +71,6 @@ from kvoffload.tier import Tier, build_tiers
 from kvoffload.transfer import JobResult, TransferWorker
 
 logger = logging.getLogger(__name__)
-
-MAX_INFLIGHT_LOADS: Final = 64
-COPY_THREADS: Final = 2
-"""Threads draining a lower tier's store lane. Its jobs are independent copies into
-distinct slots, so two may run at once: one's fdatasync and bookkeeping overlap the
-other's I/O, and the disk sees twice the queue depth. The first tier has one per
-lane on a host pool and two on a GPU pool (see ``Offloader.__init__``)."""
 
 
 class Offloader:
@@ -118,20 +113,7 @@ class Offloader:
         )
         self.prefetch_stats: PrefetchStats = self._books.prefetch_stats
         try:
-            for cfg in self.tier_configs:
-                first = not self._workers
-                self._workers.append(
-                    TransferWorker(
-                        max_inflight_stores=cfg.max_pending_stores,
-                        max_inflight_loads=MAX_INFLIGHT_LOADS,
-                        # The first tier: one thread per lane on a host pool (its copies
-                        # use both cores already), two on a GPU, so that one job's
-                        # Python runs while the other's copies are on the bus.
-                        store_threads=COPY_THREADS if not first or self._data.cuda else 1,
-                        load_threads=COPY_THREADS if first and self._data.cuda else 1,
-                        name=f"kvoffload-{cfg.name}",
-                    )
-                )
+            open_workers(self.tier_configs, self._data.cuda, into=self._workers)
         except BaseException:
             self.close()
             raise
@@ -143,6 +125,8 @@ class Offloader:
             load_timeout_s=config.load_timeout_ms / 1e3,
             loads=self._loads,
         )
+        self._lanes = Lanes(self._books, self._jobs, self._workers, self._loads, self.bpb)
+        self._pull_lock = threading.Lock()  # one reader at a time mirrors the backends
 
     # -- engine-facing: lookup, store, load, poll --------------------------------------
     def lookup(self, keys: Sequence[BlockKey]) -> int:
@@ -167,7 +151,7 @@ class Offloader:
             if gate is not None:
                 gate.release()
             return None
-        job = self._workers[0].submit_store(lambda: self._write(write, gate))
+        job = self._workers[0].submit_store(lambda: self._lanes.write(write, gate))
         if job is None:  # only when shut down: the books checked the depth
             self._books.abort_write(write)
         if job is None and gate is not None:
@@ -218,7 +202,9 @@ class Offloader:
         ids = list(pool_ids)
         self._loads.begin()  # persistent-tier copies yield to it
         after = self._data.mark()
-        job = self._workers[0].submit_load(lambda: self._load(plan, ids, now, after, layers, gate))
+        job = self._workers[0].submit_load(
+            lambda: self._lanes.load(plan, ids, now, after, layers, gate)
+        )
         if job is None:
             self._loads.end()
             self._books.cancel_load(plan)
@@ -255,7 +241,7 @@ class Offloader:
             t = p.write.src_tier
             assert t is not None
             job = self._workers[t].submit_load(
-                lambda p=p: self._prefetch(p),  # type: ignore[misc]
+                lambda p=p: self._lanes.prefetch(p),  # type: ignore[misc]
                 ignore_result,
             )
             if job is None:
@@ -295,7 +281,9 @@ class Offloader:
     def clear_first_tier(self) -> int:
         """Drop every unpinned block of the first tier (a reset of the engine's
         external cache); how many. Lower tiers keep theirs."""
-        return self._books.clear_first()
+        cleared, discards = self._books.clear_first()
+        self._books.discard(discards)  # the lock released; their slots wait for it
+        return cleared
 
     def pinned(self) -> list[int]:
         """Blocks pinned by loads and claims, per tier (0 everywhere when idle)."""
@@ -304,75 +292,6 @@ class Offloader:
     def prefetches(self) -> tuple[int, int]:
         """Prefetch jobs in flight, and owners waiting on claims."""
         return self._books.prefetches()
-
-    # -- the jobs' loop: order in, outcome out, settled, next orders queued ----------
-    def _write(self, w: Write, gate: StoreGate | None = None) -> int:
-        """Job body of a write (an engine store, a cascade copy, a promotion)."""
-        return self._settle(self._jobs.write(w, gate))
-
-    def _load(
-        self,
-        plan: LoadPlan,
-        ids: list[int],
-        submitted: float,
-        after: object,
-        layers: LayerProgress | None,
-        gate: LoadGate | None,
-    ) -> int:
-        """Job body of a load."""
-        try:
-            out = self._jobs.load(plan, ids, submitted, after, layers=layers, gate=gate)
-        finally:
-            self._loads.end()
-        return self._settle(out)
-
-    def _prefetch(self, p: Prefetch) -> int:
-        """Job body of a prefetch: its write up into the first tier (which reads and
-        verifies the source, and drops what is corrupt from it), settled with the
-        prefetch in one transaction."""
-        if not self._books.prefetch_starts(p):
-            return 0  # cancelled before it ran
-        self._loads.begin()  # copies into persistent tiers wait for us too
-        try:
-            t0 = time.perf_counter()
-            out = self._jobs.write(p.write)
-            out.prefetch, out.seconds = p, time.perf_counter() - t0
-        finally:
-            self._loads.end()
-        return self._settle(out)
-
-    def _settle(self, out: Outcome) -> int:
-        """Settle a job's outcome and queue the orders that come back; the job's bytes
-        (or its exception, raised now that its books are straight)."""
-        orders = self._books.settle(out)
-        if isinstance(out, WriteOutcome):
-            self._queue(orders, {"written": out.buf, "demoted": out.demoted})
-            nbytes = sum(out.ok) * self.bpb
-        else:
-            self._queue(orders, {"loaded": out.buf})
-            nbytes = out.valid * self.bpb
-        if out.error is not None:
-            raise out.error
-        return nbytes
-
-    def _queue(self, orders: list[Copy], sources: dict[str, object]) -> None:
-        """Queue the books' orders on their tiers' store lanes, their bytes cut out of
-        the settled job's buffers (``sources``). A copy the lane refuses is undone; a
-        load's promotion is written here instead (it reserved its slots already)."""
-        self._jobs.stage(orders, sources)
-        for order in orders:
-            w = order.write
-            job = self._workers[w.tier].submit_store(
-                lambda w=w: self._write(w),  # type: ignore[misc]
-                ignore_result,
-            )
-            if job is not None:
-                continue
-            if order.source == "loaded":
-                self._write(w)  # the lane is full or closing: write it here
-            else:
-                self._books.abort_write(w)
-                self._jobs.release(w)
 
     def get_finished(self) -> list[JobResult]:
         """Results of store and load jobs finished since the last call (never blocks)."""
@@ -408,12 +327,11 @@ class Offloader:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # -- snapshots of the books, each one transaction of theirs -----------------------
     def check(self) -> list[str]:
         """Consistency problems of every tier's books and medium (empty when fine)."""
-        with self._books.lock:
-            return [
-                f"{t.name}: {p}" for t in self.tiers for p in t.manager.check() + t.backend.check()
-            ]
+        found = self._books.check([t.backend.check for t in self.tiers])
+        return [f"{t.name}: {p}" for t, ps in zip(self.tiers, found, strict=True) for p in ps]
 
     @property
     def stats(self) -> list[TierStats]:
@@ -421,46 +339,63 @@ class Offloader:
         counters the backends keep themselves (round trips, server errors) brought up
         to date first. Read field by field while the lanes run, a value may be a
         transaction behind; :meth:`counters` is the consistent snapshot."""
-        with self._books.lock:
-            self._pull_backend_counters()
+        with self._pull_lock:
+            self._books.pull(*self._backend_counts())
         return self._books.stats
-
-    def _pull_backend_counters(self) -> None:
-        """Copy each backend's :meth:`~kvoffload.backend.Backend.io_counters` into its
-        tier's stats (under the books' lock, so that two readers never write them out
-        of order). One way only: the backend counts, the stats mirror it."""
-        for tier, stats in zip(self.tiers, self._books.stats, strict=True):
-            counts = tier.backend.io_counters()
-            for name, value in counts.items():
-                if name in BACKEND_METRICS:
-                    setattr(stats, name, value)
-            if "stored_bytes" not in counts:
-                # A backend that never compresses (the cpu slab, most plugins) stores
-                # what it was given: both are the books' bytes_written.
-                stats.logical_bytes = stats.stored_bytes = stats.bytes_written
-            # What the tier holds now, against what it could hold (blocks per GiB).
-            manager = tier.manager
-            held = len(manager) if isinstance(manager, LRUOffloadingManager) else None
-            for name, value in tier_state(held, tier.backend.capacity_bytes).items():
-                setattr(stats, name, value)
 
     def counters(self) -> tuple[dict[str, dict[str, int | float]], PrefetchStats]:
         """Every tier's counters (by tier name, see :func:`~kvoffload.metrics.tier_values`)
         and the prefetch counters, as one consistent snapshot. The lane threads (and
         the claims of a scheduler's thread) change them under the books' lock, several
-        fields per transaction, so they are read under it too: read field by field from
-        another thread (a stats poll), a snapshot could hold half a transaction."""
-        with self._books.lock:
-            self._pull_backend_counters()
-            tiers = {t.name: tier_values(t) for t in self._books.stats}
-            return tiers, replace(self.prefetch_stats)
+        fields per transaction, so the books take them under it too: read field by
+        field from another thread (a stats poll), a snapshot could hold half a
+        transaction."""
+        with self._pull_lock:
+            return self._books.counters(*self._backend_counts())
+
+    def _backend_counts(self) -> tuple[list[Mapping[str, int]], list[int]]:
+        """Each backend's own counters and capacity, read outside the books' lock (the
+        caller holds ``_pull_lock``, so two readers never mirror them out of order)."""
+        backends = [t.backend for t in self.tiers]
+        return [b.io_counters() for b in backends], [b.capacity_bytes for b in backends]
 
     def take_events(self) -> list[tuple[Tier, OffloadingEvent]]:
         """Every tier's stored / removed records since the previous call, each with its
-        tier (empty unless built with ``events=True``). The lane threads change the
-        books under the lock, so the records are taken under it too."""
-        with self._books.lock:
-            return [(t, ev) for t in self.tiers for ev in t.manager.take_events()]
+        tier (empty unless built with ``events=True``), taken in one transaction."""
+        taken = self._books.take_events()
+        return [(t, ev) for t, evs in zip(self.tiers, taken, strict=True) for ev in evs]
+
+    def ready_by_tier(self, keys: Sequence[BlockKey]) -> tuple[list[list[bool] | None], list[bool]]:
+        """Per tier, per key: whether its books hold the block ready (``None`` for a
+        tier whose books are its server's: ask the server); and per tier, whether its
+        breaker bypasses it now. One snapshot, no server asked, nothing changed."""
+        return self._books.ready_by_tier(keys)
+
+    def blocks_by_tier(self) -> list[int | None]:
+        """Per tier, the blocks its books hold (``None`` for a server's tier)."""
+        return self._books.blocks()
+
+    def probe_slot(self, t: int, key: BlockKey) -> list[int] | None:
+        """Room in tier ``t`` for ``key``, as a store makes it (a free slot, else the
+        least recent unpinned block evicted); ``None`` if there is none. The key is
+        then being written: never found, loaded or evicted until
+        :meth:`give_back_slot`."""
+        taken = self._books.take_slot(t, key)
+        if taken is None:
+            return None
+        slots, parked = taken
+        if parked:  # a budgeted tier's extra victims: nothing reads them (no demotion)
+            self.tiers[t].backend.released(parked)
+        return slots
+
+    def give_back_slot(self, t: int, key: BlockKey, slots: list[int]) -> None:
+        """Forget ``key`` in tier ``t`` as a failed store would (no "stored" record),
+        what its slot holds discarded first on a local medium (so a restart never
+        recovers it; the slot is still the key's, so no store can be in it yet)."""
+        backend = self.tiers[t].backend
+        if not backend.server_booked:
+            backend.discard(slots)
+        self._books.give_back_slot(t, key)
 
     def pending_stores(self) -> list[int]:
         """Store jobs queued or running, per tier."""

@@ -1,7 +1,8 @@
 """What the Offloader's books hand out and take back: orders and outcomes as data.
 
 :mod:`kvoffload.books` decides; these are its decisions (a :class:`LoadPlan`, a
-:class:`Write` into a tier, a :class:`Prefetch`, a cascade :class:`Copy`), what a job
+:class:`Write` into a tier, a :class:`Prefetch`, a cascade :class:`Copy`, a
+:class:`Discard`), what a job
 reports back (a :class:`WriteOutcome`, a :class:`LoadOutcome`, each with the
 :class:`Tally` of its I/O) and the books' counters (:class:`TierStats`,
 :class:`PrefetchStats`). One order in, one outcome out: a job
@@ -157,6 +158,24 @@ class Copy:
 
     write: Write
     source: str
+
+
+@dataclass(slots=True)
+class Discard:
+    """An order from the books: forget what ``slots`` of ``tier`` hold on its medium
+    (blocks found corrupt, or dropped for good), so that a restart does not recover
+    them. Carried out after the books' lock is released (``Books.discard``): for a
+    disk that is I/O (an LMDB write transaction, a slab's headers). The books have
+    dropped the blocks already but hold their slots back from every new store until
+    the order has run, so it can never erase a block written after it (an LMDB
+    record is keyed by slot, a slab's header sits at its slot)."""
+
+    tier: int
+    slots: list[int]
+
+
+Order = Copy | Discard
+"""What :meth:`Books.settle` hands back: the next tier's copies, and discards."""
 
 
 @dataclass(slots=True)

@@ -13,18 +13,25 @@ from kvoffload.books import HIT_COUNTS, HIT_COUNTS_MIN, Books, hit_counts_bound
 from kvoffload.config import load_config
 from kvoffload.keys import BlockKey
 from kvoffload.lru_manager import LRUOffloadingManager
-from kvoffload.plans import Copy, LoadOutcome, Tally, Write, WriteOutcome
+from kvoffload.plans import Copy, Discard, LoadOutcome, Tally, Write, WriteOutcome
 from kvoffload.slots import SlotAllocator
 
 BPB = 4096
 
 
 class Fake:
-    """The books' two callbacks, recorded."""
+    """The books' two callbacks, recorded. A discard is I/O: it must find the books'
+    lock free (every scenario here runs on one thread, so a held lock is ours)."""
 
     def __init__(self) -> None:
         self.depth = [0, 0, 0]
         self.discarded: list[tuple[int, list[int]]] = []
+        self.books: Books | None = None
+
+    def discard(self, t: int, slots: list[int]) -> None:
+        assert self.books is not None
+        assert not self.books.lock.locked(), "a discard ran under the books' lock"
+        self.discarded.append((t, slots))
 
 
 def _books(*lower: dict[str, Any], blocks: tuple[int, ...] = (8, 16, 32)) -> tuple[Books, Fake]:
@@ -44,8 +51,9 @@ def _books(*lower: dict[str, Any], blocks: tuple[int, ...] = (8, 16, 32)) -> tup
         persistent=[False] + [True] * len(lower),
         prefetch_max_inflight=4 * BPB,
         depth=lambda t: fake.depth[t],
-        discard=lambda t, slots: fake.discarded.append((t, slots)),
+        discard=fake.discard,
     )
+    fake.books = books
     return books, fake
 
 
@@ -154,7 +162,7 @@ def test_the_admission_filter_remembers_a_bounded_number_of_load_counts() -> Non
         (copy,) = orders  # loaded once: admitted to tier 1
         assert copy.write.keys == keys
         _land(books, copy)
-    assert len(books._hit_counts) == bound
+    assert len(books.cascade._hit_counts) == bound
     assert books.pinned() == [0, 0]
 
 
@@ -184,7 +192,10 @@ def test_a_corrupt_block_ends_the_prefix_and_leaves_its_tier_for_good() -> None:
     assert [(r.tier, r.start, r.stop) for r in plan.runs] == [(1, 0, 4), (0, 4, 6)]
     bad = keys[2]
     slot = plan.runs[0].slots[2]
-    books.settle(LoadOutcome(plan, 0.0, valid=2, corrupt={1: [bad]}))
+    orders = books.settle(LoadOutcome(plan, 0.0, valid=2, corrupt={1: [bad]}))
+    assert orders == [Discard(1, [slot])]
+    assert fake.discarded == []  # not under the lock: the caller carries it out
+    books.discard([o for o in orders if isinstance(o, Discard)])
     assert fake.discarded == [(1, [slot])]
     assert books.lookup(keys) == 2
     assert books.stats[1].corrupt_blocks == 1
@@ -274,7 +285,9 @@ def test_a_load_from_below_settles_into_its_promotion() -> None:
     _, orders = _store(books, keys)
     for order in orders:
         _land(books, order)
-    assert books.clear_first() == 4
+    cleared, discards = books.clear_first()
+    assert cleared == 4
+    books.discard(discards)  # their slots serve the promotion only once discarded
     plan = books.plan_load(keys)
     assert [(r.tier, r.start, r.stop) for r in plan.runs] == [(1, 0, 4)]
     assert plan.promote_keys == keys
@@ -318,3 +331,66 @@ def test_a_refused_prefetch_and_a_released_owner_undo_their_writes() -> None:
     assert books.prefetches() == (0, 0)
     assert books.prefetch_stats.wasted == 4
     assert books.managers[0].lookup(keys) == 0
+
+
+def test_a_discarded_slot_serves_no_store_before_its_discard_ran() -> None:
+    """A block found corrupt leaves the books at once, but forgetting it on the medium
+    is I/O, so it comes back as an order run outside the lock. Until it has run, its
+    slot is out of the free list: a store into the full tier evicts rather than take
+    it (the late discard would erase the new block). Once discarded, the slot is
+    free, and the next store takes it without evicting."""
+    books, fake = _books({}, blocks=(2, 4))
+    keys = make_keys(4)
+    for i in (0, 2):
+        _, orders = _store(books, keys[i : i + 2])
+        for order in orders:
+            _land(books, order)
+    lower = books.managers[1]
+    assert isinstance(lower, LRUOffloadingManager)
+    assert (len(lower), lower.allocator.num_free) == (4, 0)
+    plan = books.plan_load(keys)
+    assert [(r.tier, r.start, r.stop) for r in plan.runs] == [(1, 0, 2), (0, 2, 4)]
+    bad_slot = plan.runs[0].slots[0]
+    orders = books.settle(LoadOutcome(plan, 0.0, valid=0, corrupt={1: [keys[0]]}))
+    assert orders == [Discard(1, [bad_slot])]
+    # Dropped from the books, its slot held back: 3 blocks held, none free.
+    assert (len(lower), lower.allocator.num_free) == (3, 0)
+    assert books.withheld.pending == [0, 1]
+    assert books.stats[1].corrupt_blocks == 1
+    # A store meanwhile: its copy into the lower tier evicts two blocks for its two
+    # keys and never lands in the discarded block's slot.
+    new = make_keys(2, salt=1)
+    _, copies = _store(books, new)
+    (copy,) = copies
+    assert bad_slot not in copy.write.slots
+    assert books.stats[1].evictions == 2
+    assert _land(books, copy) == []
+    assert (len(lower), lower.allocator.num_free) == (3, 0)
+    assert fake.discarded == []
+    # The order runs (late, after other transactions): then the slot is free again.
+    books.discard(orders)  # type: ignore[arg-type]
+    assert fake.discarded == [(1, [bad_slot])]
+    assert books.withheld.pending == [0, 0]
+    assert (len(lower), lower.allocator.num_free) == (3, 1)
+    assert lower.check() == []
+    _, (copy,) = _store(books, make_keys(1, salt=2))
+    assert copy.write.slots == [bad_slot]
+    assert books.stats[1].evictions == 2  # no eviction this time
+
+
+def test_a_first_tier_reset_holds_its_slots_until_discarded() -> None:
+    """``clear_first`` drops every idle block of the first tier at once; the discard
+    of the lot runs after, and until then a store finds no room (rejected, counted)
+    rather than a slot the discard would clear under it."""
+    books, fake = _books(blocks=(4,))
+    keys = make_keys(4)
+    _store(books, keys)
+    cleared, discards = books.clear_first()
+    assert cleared == 4
+    assert books.lookup(keys) == 0
+    assert books.plan_store(make_keys(1, salt=1), [0], 0.0) is None
+    assert books.stats[0].rejected_stores == 1
+    books.discard(discards)
+    assert fake.discarded == [(0, [0, 1, 2, 3])]
+    assert books.managers[0].check() == []
+    assert books.plan_store(make_keys(1, salt=1), [0], 0.0) is not None

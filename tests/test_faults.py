@@ -24,7 +24,7 @@ from support.blocks import (
 )
 from support.waiting import HANG_S, HeldBackend, returns, wait_until
 
-from kvoffload import books as books_module
+from kvoffload import breaker as breaker_module
 from kvoffload.blockpool import BlockPool
 from kvoffload.config import load_config
 from kvoffload.datapath import LoadGate, StoreGate
@@ -114,7 +114,7 @@ def test_the_stack_keeps_serving_under_injected_faults(tmp_path: Path, kind: str
 
 
 class _BooksClock:
-    """The books' clock (``kvoffload.books.time``), which the test moves forward: a
+    """The breakers' clock (``kvoffload.breaker.time``), which the test moves forward: a
     back-off passes when the test says so, never because the machine was slow."""
 
     def __init__(self) -> None:
@@ -135,7 +135,7 @@ def test_a_failing_tier_is_bypassed_then_probed_and_closed(
     success after the back-off closes it. The back-off is long enough that only a hang
     outlasts it; the books' clock is moved past it."""
     clock = _BooksClock()
-    monkeypatch.setattr(books_module, "time", clock)
+    monkeypatch.setattr(breaker_module, "time", clock)
     faults = Faults(write_error=1.0, read_error=1.0, seed=9)
     lower = {"breaker_errors": 3, "breaker_backoff_ms": HANG_S * 1e3}
     config = load_config(

@@ -119,7 +119,9 @@ LAYERS: Final[dict[int, tuple[str, tuple[str, ...]]]] = {
     ),
     # books and datapath come out of offloader.py; cudacopy is the block pool's
     # one-launch CUDA copy; devicelane is one direction of the data path on a GPU; jobs
-    # carry out one order each over the data path, beside the books, never calling them.
+    # carry out one order each over the data path, beside the books, never calling them;
+    # breaker, cascade, withheld, settlement and mirror are parts of the books; staging
+    # and inflight of the jobs; lanes is the loop joining books and jobs.
     4: (
         "data movement",
         (
@@ -134,6 +136,14 @@ LAYERS: Final[dict[int, tuple[str, tuple[str, ...]]]] = {
             "devicelane",
             "datapath",
             "jobs",
+            "breaker",
+            "cascade",
+            "withheld",
+            "settlement",
+            "mirror",
+            "staging",
+            "inflight",
+            "lanes",
         ),
     ),
     5: ("offloader", ("offloader",)),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -288,3 +289,39 @@ def test_events_are_recorded_only_when_asked(tmp_path: Path, pool: BlockPool) ->
         assert loud.take_events() == []
     finally:
         loud.close()
+
+
+def test_no_backend_call_runs_under_the_books_lock(tmp_path: Path, pool: BlockPool) -> None:
+    """The books' lock is held for bookkeeping only: each backend's reads, writes,
+    discards and own counters run with it released, the discard of a block found
+    corrupt (on the lane that settled its load) and of the first tier's reset (on the
+    caller's thread) included. The scenario is sequential (each step drained before
+    the next), so a lock held during a call would be the caller's own."""
+    tiers = three_tiers(tmp_path, cpu_blocks=8)[:2]  # cpu -> mmap
+    with make_offloader(tiers, pool) as off:
+        calls: list[tuple[str, str, bool]] = []
+        for tier in off.tiers:
+            for name in ("read", "write", "discard", "io_counters"):
+                real = getattr(tier.backend, name)
+
+                def checked(*args: Any, _real: Any = real, _call: Any = (tier.name, name)) -> Any:
+                    calls.append((*_call, off._books.lock.locked()))
+                    return _real(*args)
+
+                setattr(tier.backend, name, checked)
+        keys = make_keys(16)
+        store_and_settle(off, keys[:8], list(range(8)))
+        store_and_settle(off, keys[8:], list(range(8)))
+        victim = keys[3]  # in mmap only now
+        corrupt_mmap_payload(off, victim)
+        assert _load(off, keys, list(range(16, 32))) == 3
+        assert off.drain()
+        assert off.stats[1].corrupt_blocks == 1
+        off.counters()
+        assert off.clear_first_tier() > 0
+        assert off.check() == []
+        assert ("ssd", "discard", False) in calls
+        assert ("cpu", "discard", False) in calls
+        assert ("ssd", "read", False) in calls
+        assert ("ssd", "write", False) in calls
+        assert [c for c in calls if c[2]] == []

@@ -6,14 +6,11 @@ reads the worker's Offloader as it is now, from the endpoint's threads, and chan
 nothing a request sees: no claim, no pin, no recency, no counter.
 
 **The books' lock.** A tier's manager is only ever called under the Offloader's books'
-lock (lane threads and the scheduler's questions change it under that lock). The
-Offloader has no public call yet that answers "which tier holds which of these keys"
-or "how many blocks does each tier hold", or whether a tier's breaker bypasses it,
-or that reserves one slot for a probe, so
-:class:`BooksView` takes that lock itself (the Offloader's ``_books.lock``) for the
-few manager calls the endpoint makes, each a short bookkeeping transaction, never
-across I/O. It is the one place that reaches inside the Offloader; an
-``Offloader.held_by_tier`` / ``probe_slot`` would replace it.
+lock (lane threads and the scheduler's questions change it under that lock), which
+only the books take: :class:`BooksView` asks the Offloader for snapshots
+(``Offloader.ready_by_tier``, ``blocks_by_tier``) and for a probe's slot
+(``probe_slot``, ``give_back_slot``), each one short bookkeeping transaction of the
+books', never across I/O.
 
 **Shared servers** keep their own books: what a ``redis`` tier holds is asked of the
 server (one batched ``EXISTS``, bounded by its ``socket_timeout_ms``), as the
@@ -31,7 +28,6 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 from kvoffload.keys import BlockKey
-from kvoffload.lru_manager import LRUOffloadingManager
 from kvoffload.offloader import Offloader
 from kvoffload.tier import Tier
 
@@ -52,13 +48,11 @@ def medium(tier: Tier) -> str:
 
 
 class BooksView:
-    """The few reads of the Offloader's books the endpoint needs, under their lock (see
-    the module docstring)."""
+    """The few reads of the Offloader's books the endpoint needs, each one snapshot of
+    theirs (see the module docstring)."""
 
     def __init__(self, offloader: Offloader) -> None:
         self.offloader = offloader
-        self._lock = offloader._books.lock
-        self._books = offloader._books
 
     def held(self, keys: Sequence[BlockKey]) -> list[list[bool]]:
         """Per tier, per key: whether the tier holds the block ready to load. Local
@@ -66,12 +60,7 @@ class BooksView:
         tier from the server (``[False] * n`` while its breaker is open or the server
         cannot answer)."""
         tiers = self.offloader.tiers
-        with self._lock:
-            local = [
-                None if t.backend.server_booked else [t.manager.ready(k) for k in keys]
-                for t in tiers
-            ]
-            bypassed = [self._books.bypassed(i) for i in range(len(tiers))]
+        local, bypassed = self.offloader.ready_by_tier(keys)
         out: list[list[bool]] = []
         for i, (tier, answer) in enumerate(zip(tiers, local, strict=True)):
             if answer is None:
@@ -90,38 +79,19 @@ class BooksView:
     def blocks(self) -> list[int | None]:
         """Per tier: the blocks its books hold (``None`` for a shared server's tier),
         read in one transaction."""
-        with self._lock:
-            return [_blocks(t) for t in self.offloader.tiers]
+        return self.offloader.blocks_by_tier()
 
     def take_slot(self, t: int, key: BlockKey) -> list[int] | None:
         """Room in tier ``t`` for ``key``, as a store makes it (a free slot, else the
         least recent unpinned block evicted); ``None`` if there is none. The key is
         then being written: never found, loaded or evicted until given back."""
-        tier = self.offloader.tiers[t]
-        with self._lock:
-            out = tier.manager.prepare_store([key])
-        if out is None or not out.keys_to_store:
-            return None
-        parked = [s for s in out.evicted_slots if s not in out.slots]
-        if parked:  # a budgeted tier's extra victims: nothing reads them (no demotion)
-            tier.backend.released(parked)
-        return list(out.slots)
+        return self.offloader.probe_slot(t, key)
 
     def give_back_slot(self, t: int, key: BlockKey, slots: list[int]) -> None:
         """Forget ``key`` in tier ``t`` as a failed store would (no "stored" record),
         and discard what its slot holds on a local medium, so a restart never
         recovers it."""
-        tier = self.offloader.tiers[t]
-        with self._lock:
-            tier.manager.complete_store([key], success=False)
-            if not tier.backend.server_booked:
-                tier.backend.discard(slots)
-
-
-def _blocks(tier: Tier) -> int | None:
-    """Blocks a tier's books hold (call under the books' lock); ``None`` for books kept
-    by a server."""
-    return len(tier.manager) if isinstance(tier.manager, LRUOffloadingManager) else None
+        self.offloader.give_back_slot(t, key, slots)
 
 
 def tiers_report(offloader: Offloader, view: BooksView) -> list[dict[str, Any]]:
