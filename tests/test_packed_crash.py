@@ -4,8 +4,9 @@ A Hypothesis state machine drives a real packed ``MmapBackend`` (zstd, three sla
 files, blocks of 8 pages whose contents compress to 1, about 3, about 6 or 8 pages)
 through its own slot API: allocate and write new keys, free slots, overwrite a held
 slot with a new key, store a freed key again, reopen cleanly, and crash. Every
-``pwrite``/``pwritev`` the backend makes to its slab files is recorded (its module's
-``os`` is a recording proxy); a crash replays a prefix of those writes, chosen by
+``pwrite``/``pwritev`` the backend makes to its slab files is recorded (the ``os`` of
+``kvoffload.backends.mmap.files``, the one module of the backend that makes system
+calls, is a recording proxy); a crash replays a prefix of those writes, chosen by
 Hypothesis, onto a copy of the files as they stood when the backend opened, and opens
 a backend on that image: the state on disk after a crash between any two of the
 backend's writes since it opened.
@@ -23,6 +24,7 @@ exactly: whether or not the rest of its batch's headers landed.
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import os
 import shutil
@@ -33,7 +35,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import kvoffload.backends.mmap.backend as mmap_backend
+import kvoffload.backends.mmap.files as mmap_files
 import numpy as np
 import pytest
 import torch
@@ -66,7 +68,7 @@ Write = tuple[str, int, bytes]  # slab file name, offset, bytes written
 
 
 class RecordingOs:
-    """``os`` as the mmap backend's module sees it, recording every completed
+    """``os`` as the mmap backend's file module sees it, recording every completed
     ``pwrite``/``pwritev`` to a slab file, in the order they returned."""
 
     def __init__(self) -> None:
@@ -120,7 +122,7 @@ class PackedCrashMachine(RuleBasedStateMachine):
         self.tmp = Path(tempfile.mkdtemp(dir=self.root, prefix="packed-"))
         self.dir = self.tmp / "tier"
         self.rec = RecordingOs()
-        mmap_backend.os = self.rec  # type: ignore[attr-defined,assignment]
+        mmap_files.os = self.rec  # type: ignore[attr-defined,assignment]
         self.data: dict[BlockKey, torch.Tensor] = {}  # every key ever written
         self.live: dict[int, BlockKey] = {}  # slot -> key the slab must hold
         self.stamp: dict[int, int] = {}  # slot -> when its block was written (a counter)
@@ -382,7 +384,7 @@ class PackedCrashMachine(RuleBasedStateMachine):
             if self.backend is not None:
                 self.backend.close()
         finally:
-            mmap_backend.os = os  # type: ignore[attr-defined]
+            mmap_files.os = os  # type: ignore[attr-defined]
             shutil.rmtree(self.tmp)
 
 
@@ -395,8 +397,19 @@ def _overlaps(extents: list[tuple[int, int]]) -> bool:
     return any(a[0] + a[1] > b[0] for a, b in itertools.pairwise(ordered))
 
 
+def only_the_file_module_makes_system_calls() -> None:
+    """The recording sees every write only if no other module of the backend reaches
+    ``os``: a write moved elsewhere would go unrecorded, and the crash images miss it."""
+    package = Path(mmap_files.__file__).parent
+    for path in sorted(package.glob("*.py")):
+        if path.stem not in ("files", "__init__"):
+            module = importlib.import_module(f"kvoffload.backends.mmap.{path.stem}")
+            assert not hasattr(module, "os"), path.name
+
+
 def test_packed_slab_survives_a_crash_between_any_two_writes(tmp_path: Path) -> None:
     """The machine above; its docstring says what each step and each open checks."""
+    only_the_file_module_makes_system_calls()
     PackedCrashMachine.root = tmp_path
     run_state_machine_as_test(
         PackedCrashMachine,
@@ -438,8 +451,9 @@ def test_a_newer_header_on_disk_beats_the_freed_one_it_overlaps(
     without fsync may keep the last two and lose the first. On that image both
     headers are valid and their extents overlap: the reopen keeps B (the newer, whose
     payload went before its header) and drops A."""
+    only_the_file_module_makes_system_calls()
     rec = RecordingOs()
-    monkeypatch.setattr(mmap_backend, "os", rec)
+    monkeypatch.setattr(mmap_files, "os", rec)
     path = tmp_path / "tier"
 
     def open_backend() -> MmapBackend:
@@ -499,6 +513,6 @@ def test_a_newer_header_on_disk_beats_the_freed_one_it_overlaps(
 
 @pytest.fixture(autouse=True)
 def _restore_os() -> Any:
-    """Whatever a failing machine left, the backend's module gets the real ``os`` back."""
+    """Whatever a failing machine left, the file module gets the real ``os`` back."""
     yield
-    mmap_backend.os = os  # type: ignore[attr-defined]
+    mmap_files.os = os  # type: ignore[attr-defined]
