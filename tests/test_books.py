@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from support.blocks import make_keys
 
 from kvoffload.books import HIT_COUNTS, HIT_COUNTS_MIN, Books, hit_counts_bound
@@ -394,3 +397,84 @@ def test_a_first_tier_reset_holds_its_slots_until_discarded() -> None:
     assert fake.discarded == [(0, [0, 1, 2, 3])]
     assert books.managers[0].check() == []
     assert books.plan_store(make_keys(1, salt=1), [0], 0.0) is not None
+
+
+class LateDiscardMachine(RuleBasedStateMachine):
+    """Stores, loads that find blocks corrupt, and first-tier resets, with each discard
+    order run late: after any number of other transactions, in any order. Whatever
+    happens meanwhile, no write is planned into a slot whose discard has not run, a
+    held-back slot stays allocated and holds no block, and once every order has run
+    the books are consistent again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.books, self.fake = _books({}, blocks=(4, 6))
+        self.keys = make_keys(10)
+        self.pending: list[Discard] = []
+
+    def _held(self, t: int) -> set[int]:
+        return {s for d in self.pending if d.tier == t for s in d.slots}
+
+    def _carry_out(self, orders: list[Any]) -> None:
+        """Land the copies at once (checking where they write); keep the discards."""
+        for order in orders:
+            if isinstance(order, Discard):
+                self.pending.append(order)
+                continue
+            assert not set(order.write.slots) & self._held(order.write.tier)
+            self._carry_out(_land(self.books, order))
+
+    @rule(start=st.integers(0, 9), n=st.integers(1, 3))
+    def store(self, start: int, n: int) -> None:
+        keys = self.keys[start : start + n]
+        w = self.books.plan_store(keys, list(range(len(keys))), 0.0)
+        if w is not None:
+            assert not set(w.slots) & self._held(0)
+            self._carry_out(self.books.settle(_landed(w, buffered=True)))
+
+    @rule(start=st.integers(0, 9), bad=st.integers(0, 3), staged=st.booleans())
+    def load_finding_one_corrupt(self, start: int, bad: int, staged: bool) -> None:
+        plan = self.books.plan_load(self.keys[start:])
+        assert not set(plan.promote_slots) & self._held(0)
+        corrupt: dict[int, list[BlockKey]] = {}
+        valid = plan.hits
+        for run in plan.runs:
+            if run.start <= bad < run.stop:
+                corrupt = {run.tier: [plan.keys[bad]]}
+                valid = bad
+        out = LoadOutcome(plan, 0.0, valid=valid, corrupt=corrupt)
+        if staged:  # its promotion written from the staging buffer
+            out.buf, out.staged = BUF, [True] * plan.hits
+        self._carry_out(self.books.settle(out))
+
+    @rule()
+    def reset_first_tier(self) -> None:
+        _, orders = self.books.clear_first()
+        self.pending += orders
+
+    @precondition(lambda self: self.pending)
+    @rule(pick=st.integers(0, 100))
+    def run_a_discard_late(self, pick: int) -> None:
+        order = self.pending.pop(pick % len(self.pending))
+        self.books.discard([order])
+        assert self.fake.discarded[-1] == (order.tier, order.slots)
+
+    @invariant()
+    def held_back_slots_are_allocated_and_empty(self) -> None:
+        for t, manager in enumerate(self.books.managers):
+            assert isinstance(manager, LRUOffloadingManager)
+            held = self._held(t)
+            assert self.books.withheld.pending[t] == len(held)
+            assert all(manager.allocator.is_allocated(s) for s in held)
+            assert not held & {slot for _, slot in manager.policy.items()}
+
+    def teardown(self) -> None:
+        self.books.discard(self.pending)
+        assert self.books.pinned() == [0, 0]
+        assert [m.check() for m in self.books.managers] == [[], []]
+
+
+LateDiscardMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=30, deadline=None
+)
+TestLateDiscards = LateDiscardMachine.TestCase
