@@ -132,6 +132,8 @@ def test_ratio_against_the_same_run_baseline() -> None:
 def test_strongest_baseline_is_the_highest_measured() -> None:
     raw = {"raw_1": 1.5, "raw_4": 2.5, "raw_8": None, "raw_16": 2.0}
     assert strongest(raw) == ("raw_4", 2.5)
+    # Keyed by thread count, as raw_best keeps them; a tie goes to the first.
+    assert strongest({1: 0.5, 4: 0.75, 8: 0.75, 16: None}) == (4, 0.75)
     with pytest.raises(ValueError, match="no baseline"):
         strongest({"raw_1": None})
 

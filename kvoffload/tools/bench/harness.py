@@ -21,7 +21,7 @@ import shlex
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -33,6 +33,7 @@ Clock = Callable[[], float]
 RATIO_SUFFIX: Final = "_ratio"
 TIMES: Final = "\N{MULTIPLICATION SIGN}"
 T = TypeVar("T")
+K = TypeVar("K", bound=Hashable)
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,7 @@ def ratios(
     return {f"{k}{suffix}": ratio(v, base) for k, v in figures.items() if k != baseline}
 
 
-def strongest(figures: Mapping[str, float | None]) -> tuple[str, float]:
+def strongest(figures: Mapping[K, float | None]) -> tuple[K, float]:
     """The name and value of the highest measured figure (a throughput): the baseline
     to divide by when several were measured (raw at several thread counts, say)."""
     measured = {k: v for k, v in figures.items() if v is not None}

@@ -18,7 +18,7 @@ from typing import Final
 
 from kvoffload.layout import KVLayout
 from kvoffload.tools.bench.harness import gbps as gbps  # its old home: re-exported
-from kvoffload.tools.bench.harness import timed
+from kvoffload.tools.bench.harness import strongest, timed
 
 logger = logging.getLogger(__name__)
 
@@ -106,13 +106,13 @@ def raw_best(directory: Path, block_bytes: int, total_bytes: int) -> dict[str, f
     """The best write, durable write and read figures over :data:`RAW_THREADS`, with
     the thread counts that reached them."""
     results = {t: raw_io(directory, block_bytes, total_bytes, t) for t in RAW_THREADS}
-    w_threads = max(results, key=lambda t: results[t][0])
-    s_threads = max(results, key=lambda t: results[t][1])
-    r_threads = max(results, key=lambda t: results[t][2])
+    (w_threads, w), (s_threads, s), (r_threads, r) = (
+        strongest({t: figures[i] for t, figures in results.items()}) for i in range(3)
+    )
     return {
-        "raw_write_gbps": results[w_threads][0],
-        "raw_write_synced_gbps": results[s_threads][1],
-        "raw_read_gbps": results[r_threads][2],
+        "raw_write_gbps": w,
+        "raw_write_synced_gbps": s,
+        "raw_read_gbps": r,
         "raw_write_threads": w_threads,
         "raw_write_synced_threads": s_threads,
         "raw_read_threads": r_threads,
