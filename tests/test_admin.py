@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 from kvoffload.connectors.vllm.admin import AdminServer, AdminSpec
-from kvoffload.connectors.vllm.events import _EventBook
-from kvoffload.connectors.vllm.shared import _Shared
+from kvoffload.connectors.vllm.events import EventBook
+from kvoffload.connectors.vllm.shared import Shared
 from support.blocks import BPB, LAYOUT, POOL, fill_pool, make_keys
 from support.redisserver import RedisServer, require_redis
 from support.waiting import returns, wait_until
@@ -45,7 +45,7 @@ class Served:
     """One rank's endpoint over its Offloader, and the redis-server under its tier."""
 
     off: Offloader
-    shared: _Shared
+    shared: Shared
     admin: AdminServer
     redis: RedisServer
 
@@ -112,7 +112,7 @@ def _tiers(tmp: Path, redis: RedisServer, **redis_settings: Any) -> list[dict[st
 def _serve(tmp: Path, redis: RedisServer, timeout_ms: float, **redis_settings: Any) -> Served:
     config = load_config({"tiers": _tiers(tmp, redis, **redis_settings)}, env={})
     off = Offloader(config, LAYOUT, BlockPool.allocate(LAYOUT, POOL))
-    shared = _Shared(off, _EventBook(enabled=False, cap=64), LAYOUT.fingerprint)
+    shared = Shared(off, EventBook(enabled=False, cap=64), LAYOUT.fingerprint)
     spec = AdminSpec(
         port=0,  # any free port: the tests read the one bound
         host="127.0.0.1",

@@ -5,7 +5,7 @@ What runs concurrently in a real deployment, and so here:
 
 - the **scheduler side** (vLLM's engine core thread). In vLLM's default mode it asks the
   worker's books over the Unix socket: here one scheduler thread does that
-  (``_RemoteBooks``), so its questions are answered by
+  (``RemoteBooks``), so its questions are answered by
 - the **books server's thread**, in the worker's process, while
 - the **worker's thread** carries out each step's metadata (``start_load_kv``,
   ``wait_for_save``, ``get_finished``, ``get_block_ids_with_load_errors``,
@@ -48,14 +48,14 @@ pytest.importorskip("vllm")
 
 import torch
 from kvoffload.connectors.vllm import (
-    _REGISTRY,
     TieredOffloadConnector,
     TieredOffloadMetadata,
     TieredOffloadStats,
     connector_counters,
     connector_health,
 )
-from kvoffload.connectors.vllm.books import _BooksServer, _RemoteBooks
+from kvoffload.connectors.vllm.remote import BooksServer, RemoteBooks
+from kvoffload.connectors.vllm.shared import REGISTRY
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from support.engine_run import write_tiny_llama
 from support.waiting import HANG_S
@@ -215,7 +215,7 @@ class Run:
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(BLOCK, sha256)
         self.schedulers: list[TieredOffloadConnector] = []
-        self.remote: _RemoteBooks | None = None
+        self.remote: RemoteBooks | None = None
         for s in range(SCHEDULERS):
             conn = TieredOffloadConnector(self.config, KVConnectorRole.SCHEDULER)
             sched = conn._scheduler
@@ -223,7 +223,7 @@ class Run:
             # Plan ids are per scheduler; these share one worker, so give each its own.
             sched._next_plan = s * 1_000_000
             if s == 0:  # as in vLLM's default mode: ask the books server over the socket
-                self.remote = sched._remote = _RemoteBooks(self.engine_id, 1)
+                self.remote = sched._remote = RemoteBooks(self.engine_id, 1)
             self.schedulers.append(conn)
         self.steps: queue.Queue[Step | None] = queue.Queue()
         self.finished: queue.Queue[str] = queue.Queue()  # for the next get_finished
@@ -381,7 +381,7 @@ class Run:
             step.done.set()
             self.report_sent(done)
         # Every scheduler is done: let the lanes finish, then the last stats.
-        shared = _REGISTRY[self.engine_id]
+        shared = REGISTRY[self.engine_id]
         assert shared.offloader.drain(WAIT_S), "the Offloader's lanes did not drain"
         _, done = self.worker_step(TieredOffloadMetadata())
         self.report_sent(done)
@@ -578,7 +578,7 @@ def test_both_roles_books_and_readers_at_once_stay_exact_and_consistent(
             "claims": 0,
             "problems": [],
         }
-        assert _REGISTRY[run.engine_id].offloader.check() == []
+        assert REGISTRY[run.engine_id].offloader.check() == []
         assert run.reads >= MIN_READS
         # No failed job, dropped hold or late load was logged.
         ours = [r.getMessage() for r in caplog.records if r.name.startswith("kvoffload")]
@@ -597,10 +597,10 @@ def test_the_books_server_thread_ends_when_closed(connected: bool) -> None:
     (``accept``) or serves one that is still connected (``recv``): a thread left
     blocked would keep the closed Offloader, and the KV cache behind it, alive."""
     engine_id = f"close-{uuid.uuid4().hex[:8]}"
-    server = _BooksServer(SimpleNamespace(answer=lambda op, arg: 7), engine_id, 0)  # type: ignore[arg-type]
+    server = BooksServer(SimpleNamespace(answer=lambda op, arg: 7), engine_id, 0)  # type: ignore[arg-type]
     remote = None
     if connected:
-        remote = _RemoteBooks(engine_id, 1)
+        remote = RemoteBooks(engine_id, 1)
         assert remote.lookup("r", []) == 7  # the server thread now waits in recv
     server.close()
     assert not server.thread.is_alive()
@@ -614,8 +614,8 @@ def test_concurrent_lookups_of_one_request_leak_no_pin() -> None:
     lookup replaces the request's hold, and whichever comes last keeps it. However they
     interleave, releasing the request leaves nothing pinned (a hold overwritten without
     being unpinned would keep its blocks pinned for good)."""
-    from kvoffload.connectors.vllm.events import _EventBook
-    from kvoffload.connectors.vllm.shared import _Shared
+    from kvoffload.connectors.vllm.events import EventBook
+    from kvoffload.connectors.vllm.shared import Shared
 
     from kvoffload.blockpool import BlockPool
     from kvoffload.config import load_config
@@ -628,7 +628,7 @@ def test_concurrent_lookups_of_one_request_leak_no_pin() -> None:
     config = load_config({"tiers": [{"name": "cpu", "capacity": 64 * layout.bytes_per_block}]})
     off = Offloader(config, layout, pool)
     try:
-        shared = _Shared(off, _EventBook(enabled=False, cap=64), b"race")
+        shared = Shared(off, EventBook(enabled=False, cap=64), b"race")
         keys, parent = [], ROOT_KEY
         for i in range(8):
             parent = chain_key(parent, b"%d" % i)

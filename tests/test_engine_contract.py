@@ -47,7 +47,7 @@ KNOWN_BUGS: dict[str, bool] = {
     # A connector reset (weights update) left the lower tiers' blocks, which were then
     # served under the new weights (fixed by 13198cb's reset generation).
     "weights_update_with_disk_tier": True,
-    # ``_Shared.resident`` kept an entry per hit when vLLM logs no stats (fixed by
+    # ``Shared.resident`` kept an entry per hit when vLLM logs no stats (fixed by
     # 13198cb).
     "stats_off": True,
 }
@@ -271,7 +271,7 @@ def test_weights_update_never_serves_old_kv_from_a_disk_tier(tiers: str) -> None
 
 def test_no_resident_entry_left_without_stats() -> None:
     """With vLLM's stats off (``log_stats=False``: nobody asks for hit sources) a hit
-    leaves nothing in ``_Shared.resident``. Before 13198cb each hit left its entry:
+    leaves nothing in ``Shared.resident``. Before 13198cb each hit left its entry:
     ``idle_resident: {'r1': 3} once idle``."""
     with engine(Variant(tiers="cpu", log_stats=False)) as e:
         e.add(PROMPT, 3)

@@ -83,7 +83,7 @@ def test_the_shared_tier_forgets_its_oldest_told_block_past_its_capacity() -> No
 # ------------------------------------------------------------------ the worker's book
 pytest.importorskip("vllm")
 
-from kvoffload.connectors.vllm.events import EventBlocks, _EventBook  # noqa: E402
+from kvoffload.connectors.vllm.events import EventBlocks, EventBook  # noqa: E402
 from vllm.distributed.kv_events import BlockRemoved, BlockStored  # noqa: E402
 
 
@@ -126,7 +126,7 @@ def blocks(n: int, block_size: int = 2) -> EventBlocks:
 
 
 def test_each_tier_gets_its_medium_and_locality_and_full_payloads() -> None:
-    book = _EventBook(enabled=True, cap=8)
+    book = EventBook(enabled=True, cap=8)
     book.remember([A, B], blocks(2))
     rec = Records().add(CPU, [A, B]).add(DISK, [A]).add(REDIS, [B]).add(REDIS, [B], removed=True)
     events, unknown = book.take(rec)  # type: ignore[arg-type]
@@ -149,7 +149,7 @@ def test_each_tier_gets_its_medium_and_locality_and_full_payloads() -> None:
 
 def test_a_block_held_by_a_tier_is_never_forgotten() -> None:
     """Its removal can always be told, however many blocks came and went since."""
-    book = _EventBook(enabled=True, cap=2)
+    book = EventBook(enabled=True, cap=2)
     book.remember([A], blocks(1))
     book.take(Records().add(DISK, [A]))  # type: ignore[arg-type]
     for key in (B, C, D):  # loose blocks (no tier holds them) beyond the cap

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from kvoffload.connectors.vllm.answers import Answers
-from kvoffload.connectors.vllm.books import _BooksServer, _RemoteBooks
+from kvoffload.connectors.vllm.remote import BooksServer, RemoteBooks
 from support.waiting import HOLD_LIMIT_S, returns, wait_until
 
 DEADLINE_S = HOLD_LIMIT_S
@@ -167,12 +167,12 @@ def test_through_the_books_server_the_scheduler_never_times_out(
 ) -> None:
     """Multi-process: the books server answers through :class:`Answers`, so a lookup
     stuck in a tier leaves the server free to answer; the scheduler's own deadline
-    (``_RemoteBooks.timeouts``) is never reached, the lookup is a miss all the same."""
+    (``RemoteBooks.timeouts``) is never reached, the lookup is a miss all the same."""
     stub, answers = books
     stub.stuck.add("s")
     engine_id = f"answers-{uuid.uuid4().hex[:8]}"
-    server = _BooksServer(SimpleNamespace(answer=answers.answer), engine_id, 0)  # type: ignore[arg-type]
-    remote = _RemoteBooks(engine_id, 1, timeout_s=DEADLINE_S)
+    server = BooksServer(SimpleNamespace(answer=answers.answer), engine_id, 0)  # type: ignore[arg-type]
+    remote = RemoteBooks(engine_id, 1, timeout_s=DEADLINE_S)
     try:
         assert _until(lambda: remote.lookup("s", []), 0)[-1] == 0
         assert remote.sources("s") == 2

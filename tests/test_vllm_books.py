@@ -1,4 +1,4 @@
-"""The channel between the connector's two sides (connectors/vllm/books.py and its
+"""The channel between the connector's two sides (connectors/vllm/remote.py and its
 wire, channel.py): nobody else gets in, nothing is unpickled, no wait is unbounded,
 and nothing a client sends stops the server.
 
@@ -20,8 +20,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from kvoffload.connectors.vllm.books import BooksError, _BooksServer, _RemoteBooks
 from kvoffload.connectors.vllm.channel import _address, _key_path, _private_dir
+from kvoffload.connectors.vllm.remote import BooksError, _BooksServer, _RemoteBooks
 
 from kvoffload.exceptions import ConfigError
 

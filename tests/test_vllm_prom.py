@@ -17,7 +17,6 @@ pytest.importorskip("vllm")
 
 import torch
 from kvoffload.connectors.vllm import (
-    _REGISTRY,
     TieredOffloadConnector,
     TieredOffloadKVEvents,
     TieredOffloadPromMetrics,
@@ -25,6 +24,7 @@ from kvoffload.connectors.vllm import (
     connector_counters,
     connector_health,
 )
+from kvoffload.connectors.vllm.shared import REGISTRY
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from support.engine_run import write_tiny_llama
 from support.waiting import wait_until
@@ -95,6 +95,38 @@ def sample(registry: CollectorRegistry, name: str, engine: str, tier: str | None
 
 
 # ------------------------------------------------------------------------- prometheus
+def test_the_prefetch_counters_are_the_offloaders_prefetch_stats() -> None:
+    """``PrefetchStats`` declares the prefetch counters: the connector has one counter
+    per field, with a help text, exposed with the others and read from that field. A
+    field added, dropped or renamed there fails here, not as a counter missing from the
+    exposition or a ``getattr`` failing in a running engine."""
+    import dataclasses
+    import threading
+    from types import SimpleNamespace
+
+    from kvoffload.connectors.vllm.metrics import (
+        COUNTERS,
+        PREFETCH_COUNTERS,
+        PREFETCH_HELP,
+        snapshot,
+    )
+
+    from kvoffload.plans import PrefetchStats
+
+    names = [f.name for f in dataclasses.fields(PrefetchStats)]
+    assert list(PREFETCH_COUNTERS.values()) == names
+    assert sorted(PREFETCH_HELP) == sorted(names)
+    for counter, field in PREFETCH_COUNTERS.items():
+        assert COUNTERS[counter] == PREFETCH_HELP[field]
+    stats = PrefetchStats(**{name: i + 1 for i, name in enumerate(names)})
+    offloader = SimpleNamespace(counters=lambda: ({}, stats), tiers=[], stats=[])
+    shared = SimpleNamespace(lock=threading.Lock(), counters={}, offloader=offloader)
+    counts = snapshot(shared)  # type: ignore[arg-type]
+    assert {c: counts[c] for c in PREFETCH_COUNTERS} == {
+        c: getattr(stats, f) for c, f in PREFETCH_COUNTERS.items()
+    }
+
+
 def test_prom_counters_add_the_observed_deltas_by_engine_and_tier(model_dir: str) -> None:
     config = vllm_config(
         model_dir,
@@ -324,7 +356,7 @@ def test_no_events_when_disabled_and_no_tier_records_pile_up(events_off: Engine)
     assert stats.data["tokens_stored"] == 3 * BLOCK
     assert eng.worker.get_kv_connector_kv_cache_events() is None
     # With events off the tiers record nothing at all, so nothing piles up.
-    offloader = _REGISTRY[eng.worker.engine_id].offloader
+    offloader = REGISTRY[eng.worker.engine_id].offloader
     assert offloader.tiers[0].manager.take_events() == []
 
 
@@ -402,7 +434,7 @@ def test_hit_sources_say_which_tier_served_the_hit(model_dir: str, tmp_path: Pat
     stored = Engine(vllm_config(model_dir, tiers, events=False))
     try:
         _store_prompt_0(stored)
-        _REGISTRY[stored.worker.engine_id].offloader.drain()
+        REGISTRY[stored.worker.engine_id].offloader.drain()
         assert _repeat_sources(stored) == {CacheHitSource.HOST: 3 * BLOCK}
     finally:
         stored.close()
@@ -487,7 +519,7 @@ def test_disk_tier_events_and_a_promotion_describe_their_blocks(
         a = first.request("a", prompt(0))
         first.admit(a, [0, 1, 2, 3])
         events, _ = first.step(a, [0, 1, 2, 3], len(a.prompt_token_ids or []))
-        _REGISTRY[first.worker.engine_id].offloader.drain()
+        REGISTRY[first.worker.engine_id].offloader.drain()
         events += first.step(first.request("short", [1, 2, 3]), [5], 3)[0]  # stores none
     finally:
         first.close()
@@ -546,7 +578,7 @@ def test_reset_cache_empties_the_cpu_tier(events_off: Engine) -> None:
     a = eng.request("a", prompt(0))
     eng.admit(a, [0, 1, 2, 3])
     eng.step(a, [0, 1, 2, 3], len(a.prompt_token_ids or []))
-    offloader = _REGISTRY[eng.worker.engine_id].offloader
+    offloader = REGISTRY[eng.worker.engine_id].offloader
     assert len(offloader.tiers[0].manager.held_keys()) == 3
     assert eng.scheduler.reset_cache() is True
     assert offloader.tiers[0].manager.held_keys() == []

@@ -30,13 +30,13 @@ pytest.importorskip("vllm")
 
 import torch
 from kvoffload.connectors.vllm import (
-    _REGISTRY,
     TieredOffloadConnector,
     TieredOffloadMetadata,
     connector_counters,
     connector_health,
 )
-from kvoffload.connectors.vllm.scheduler import _Load
+from kvoffload.connectors.vllm.metadata import Load
+from kvoffload.connectors.vllm.shared import REGISTRY
 from support.engine_run import write_tiny_llama
 from support.waiting import wait_until
 from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
@@ -275,7 +275,7 @@ def test_a_hit_with_stats_off_leaves_no_note_behind(
     engine.run(engine.request(2), [0, 1, 2, 3, 4])
     for ids in ([5, 6, 7, 8, 9], [10, 11, 12, 13, 14]):
         assert engine.run(engine.request(2), ids)[0] == FULL * BLOCK
-    shared = _REGISTRY[engine.engine_id]
+    shared = REGISTRY[engine.engine_id]
     assert shared.resident == {}
     health = connector_health()[engine.engine_id]
     assert (health["holds"], health["plans"], health["problems"]) == (0, 0, [])
@@ -290,9 +290,9 @@ def test_a_load_planned_with_no_claim_fails_its_blocks(
     never reported loaded."""
     engine = Engine(model, _tiers(tmp_path))
     engines.append(engine)
-    shared = _REGISTRY[engine.engine_id]
+    shared = REGISTRY[engine.engine_id]
     assert shared.plan(7, "ghost", 0, 2) == 0
-    load = _Load("ghost", 7, [[20, 21]], background=background)
+    load = Load("ghost", 7, [[20, 21]], background=background)
     (_, received, failed), errors = engine.step(TieredOffloadMetadata(loads=[load]))
     if background:
         assert (received, failed, errors) == ({"ghost"}, {"ghost"}, set())
@@ -317,7 +317,7 @@ def test_hit_sources_count_a_prefetch_on_arrival_as_disk(
     engines.append(engine)
     req = engine.request(3)
     engine.scheduler.on_new_request(req)
-    shared = _REGISTRY[engine.engine_id]
+    shared = REGISTRY[engine.engine_id]
     # The prefetch runs on the books' own thread: done once its 4 blocks landed.
     wait_until(
         lambda: (
@@ -335,11 +335,11 @@ def test_hit_sources_count_a_prefetch_on_arrival_as_disk(
 def test_a_shared_tiers_hits_are_external_unspecified() -> None:
     """vLLM's ``disk`` is a local disk; a Redis tier's blocks (or a plugin's) are a
     store the connector cannot place: ``external_unspecified``."""
-    from kvoffload.connectors.vllm import _lower_source
+    from kvoffload.connectors.vllm.config import lower_source
 
     cpu = {"name": "cpu", "backend": "cpu", "capacity": "1MiB"}
     mmap = {"name": "d", "backend": "mmap", "path": "/nonexistent/x", "capacity": "1MiB"}
     redis = {"name": "r", "backend": "redis", "url": "redis://127.0.0.1:1", "capacity": "1MiB"}
-    assert _lower_source(load_config({"tiers": [cpu, mmap]})) == "disk"
-    assert _lower_source(load_config({"tiers": [cpu, mmap, redis]})) == "external_unspecified"
-    assert _lower_source(load_config({"tiers": [cpu]})) == "disk"
+    assert lower_source(load_config({"tiers": [cpu, mmap]})) == "disk"
+    assert lower_source(load_config({"tiers": [cpu, mmap, redis]})) == "external_unspecified"
+    assert lower_source(load_config({"tiers": [cpu]})) == "disk"

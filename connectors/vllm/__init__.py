@@ -14,7 +14,7 @@ process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) the scheduler side calls the work
 Offloader directly, through a process-local registry keyed by the engine id. In vLLM's
 default mode the worker runs in its own process (on the CPU build always: its platform
 turns the ``uni`` executor into ``mp``), and the scheduler side asks it over a Unix
-socket (:mod:`.books`): ``lookup``, ``plan`` and ``release``, microseconds each.
+socket (:mod:`.remote`): ``lookup``, ``plan`` and ``release``, microseconds each.
 Under tensor parallelism each rank's worker serves its own books, and the scheduler
 side takes the smallest answer of all ranks (``None`` if any is undecided).
 
@@ -66,30 +66,25 @@ side takes the smallest answer of all ranks (``None`` if any is undecided).
 
 The package, one role per module (this module only hands each call to its role's half,
 as vLLM's own ``OffloadingConnector`` hands off to its scheduler and worker objects):
-
-- :mod:`.scheduler`: :class:`TieredOffloadScheduler`, lookups, load plans, the step's
-  :class:`TieredOffloadMetadata` and the request lifecycle (``role=SCHEDULER``);
-- :mod:`.worker`: :class:`TieredOffloadWorker`, the Offloader, loads, stores and
-  finished requests (``role=WORKER``);
-- :mod:`.shared`: the worker side's state and the process-wide registry where the
-  scheduler side finds it in the same process (:func:`connector_counters`,
-  :func:`connector_health`);
-- :mod:`.books`: the Unix-socket books server and client, for a scheduler side in
-  another process;
-- :mod:`.metrics`: the counters, :class:`TieredOffloadStats` and
-  :class:`TieredOffloadPromMetrics`;
-- :mod:`.events`: KV events (:class:`TieredOffloadKVEvents`);
-- :mod:`.groups`: vLLM's KV cache groups (kind, window, key namespace) and the one
-  block pool over them;
-- :mod:`.affinity`: the CPU affinity the worker side's threads start with;
-- :mod:`.config`: vLLM's config read into kvoffload's (config, layout, version check).
+:mod:`.scheduler` (:class:`TieredOffloadScheduler`, ``role=SCHEDULER``: lookups, load
+plans, the request lifecycle, and with :mod:`.stores` the blocks each step stores),
+:mod:`.worker` (:class:`TieredOffloadWorker`, ``role=WORKER``: the Offloader, stores,
+finished requests, and with :mod:`.loads` the loads), :mod:`.metadata` (the step's
+:class:`TieredOffloadMetadata` from one to the other), :mod:`.shared` (the worker side's
+state, and the process-wide registry where a scheduler side in the same process finds
+it: :func:`connector_counters`, :func:`connector_health`), :mod:`.remote` and
+:mod:`.channel` (the books over a Unix socket, for a scheduler side in another
+process), :mod:`.metrics` (the counters, :class:`TieredOffloadStats`,
+:class:`TieredOffloadPromMetrics`), :mod:`.events` (KV events), :mod:`.groups` (vLLM's
+KV cache groups and the one block pool over them), :mod:`.affinity` (the CPUs the
+worker side's threads start on) and :mod:`.config` (vLLM's config read into
+kvoffload's: config, layout, version check).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.kv_events import KVCacheEvent
@@ -102,24 +97,25 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from .admin import admin_spec
-from .affinity import _rank_affinity as _rank_affinity
-from .affinity import rank_cpus
+from .affinity import rank_affinity, rank_cpus
 from .config import (
     CONSUMER,
     PRODUCER,
     SUPPORTED,
-    _events_enabled,
-    _per_rank,
-    _warn_about_late_failures,
-    _warn_about_unshared_roles,
+    async_min_bytes,
     check_vllm_version,
     config_from_vllm,
+    events_enabled,
     layout_from_vllm,
+    lower_source,
     options_from_vllm,
+    per_rank,
     role_from_vllm,
+    warn_about_late_failures,
+    warn_about_unshared_roles,
 )
 from .events import MAX_EVENT_HASHES, BlockHash, TieredOffloadKVEvents
-from .groups import groups_from_vllm, refuse_unservable
+from .groups import groups_from_vllm, refuse_unservable, unkeyable
 from .metrics import (
     COUNTERS,
     PREFETCH_COUNTERS,
@@ -129,13 +125,7 @@ from .metrics import (
     TieredOffloadStats,
 )
 from .scheduler import TieredOffloadMetadata, TieredOffloadScheduler
-from .shared import _REGISTRY as _REGISTRY
-from .shared import (
-    _close,
-    _registry_key,
-    connector_counters,
-    connector_health,
-)
+from .shared import REGISTRY, close_slot, connector_counters, connector_health, registry_key
 from .worker import TieredOffloadWorker
 
 if TYPE_CHECKING:
@@ -147,12 +137,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-    from kvoffload.config import KVOffloadConfig
-
-logger = logging.getLogger(__name__)
-
 # What the single module ``kvoffload.connectors.vllm`` exported, plus the two halves.
-# ``_REGISTRY`` and ``_rank_affinity`` (above) stay importable from here for the tests.
 __all__ = [
     "COUNTERS",
     "MAX_EVENT_HASHES",
@@ -175,27 +160,9 @@ __all__ = [
     "layout_from_vllm",
     "rank_cpus",
 ]
-
-
-LOCAL_DISKS: Final = frozenset({"mmap", "lmdb"})
-"""Backends whose blocks sit on this machine's disk (vLLM's ``disk`` hit source)."""
-
-
-def _async_min_bytes(setting: int | None, replicated: bool) -> float | None:
-    """The scheduler side's background threshold: ``async_load_min_bytes``, ``None``
-    (unset) for the measured choice, and never for a cache every rank holds alike,
-    which rank 0 sends to the others within the step."""
-    if replicated:
-        return float("inf")
-    return None if setting is None else float(setting)
-
-
-def _lower_source(config: KVOffloadConfig) -> str:
-    """vLLM's hit source of the blocks a hit takes from below the cpu tier: ``disk``
-    when every lower tier is a local disk, else ``external_unspecified`` (vLLM's value
-    for a store it cannot place: a shared server, a plugin's backend)."""
-    lower = {tier.backend for tier in config.tiers[1:]}
-    return "disk" if lower <= LOCAL_DISKS else "external_unspecified"
+# Importable from here under their former private names (the tests use them).
+_REGISTRY = REGISTRY
+_rank_affinity = rank_affinity
 
 
 class TieredOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]  # vLLM: Any
@@ -221,20 +188,9 @@ class TieredOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
             vllm_config.cache_config, "hash_block_size", None
         )
         self.groups = groups_from_vllm(kv_cache_config, self.block_size)
-        # Keys are one per ``request.block_hashes`` entry, one per engine block, in
-        # every group: with another hash size, or a group of other blocks (vLLM's
-        # prefix caching off for a Mamba hybrid: a state block per request, hashes of
-        # max_model_len tokens), there is nothing to key, and the connector idles.
-        sizes = {g.block_size for g in self.groups if g.block_size} | {hash_block or 0}
-        self.inert = bool(sizes - {0, self.block_size})
-        if self.inert and role == KVConnectorRole.SCHEDULER:
-            logger.warning(
-                "kvoffload: this engine's KV cache groups or vLLM's block hashes use "
-                "blocks of %s tokens besides its %d-token blocks: the connector stores "
-                "and loads nothing (turn vLLM's prefix caching on to get hits)",
-                sorted(sizes - {0, self.block_size}),
-                self.block_size,
-            )
+        self.inert = unkeyable(
+            self.groups, self.block_size, hash_block, warn=role == KVConnectorRole.SCHEDULER
+        )
         mla = bool(getattr(vllm_config.model_config, "use_mla", False))
         self.layout = layout_from_vllm(vllm_config, mla=mla)
         self.engine_id = str(transfer.engine_id)
@@ -250,18 +206,18 @@ class TieredOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
             tensor_parallel=parallel.tensor_parallel_size,
             pipeline_parallel=parallel.pipeline_parallel_size,
         )
-        self._slot = _registry_key(self.engine_id, self.rank)
+        self._slot = registry_key(self.engine_id, self.rank)
         if self.ranks > 1 and role == KVConnectorRole.WORKER and not self.replicated:
             # One process per rank, each with its own tiers: a disk tier of one rank
             # must not share its directory with another's.
-            self.config = _per_rank(self.config, self.rank)
-        self._events_enabled = _events_enabled(vllm_config)
+            self.config = per_rank(self.config, self.rank)
+        self._events_enabled = events_enabled(vllm_config)
         self._scheduler: TieredOffloadScheduler | None = None
         self._worker: TieredOffloadWorker | None = None
         self.kv_role = role_from_vllm(transfer)
         if role == KVConnectorRole.SCHEDULER:
-            _warn_about_late_failures(self.config, transfer)
-            _warn_about_unshared_roles(self.config, self.kv_role)
+            warn_about_late_failures(self.config, transfer)
+            warn_about_unshared_roles(self.config, self.kv_role)
             self._scheduler = TieredOffloadScheduler(
                 engine_id=self.engine_id,
                 slot=self._slot,
@@ -275,11 +231,11 @@ class TieredOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
                 prefetch_on_arrival=self.options["prefetch_on_arrival"],
                 block_bytes=self.layout.bytes_per_block,
                 # A cache every rank holds alike is sent by rank 0 within the step.
-                async_min_bytes=_async_min_bytes(self.config.async_load_min_bytes, self.replicated),
+                async_min_bytes=async_min_bytes(self.config.async_load_min_bytes, self.replicated),
                 first_tier=self.config.tiers[0].name if self.config.tiers else "cpu",
                 role=self.kv_role,
                 producer_wait_s=self.config.producer_wait_ms / 1e3,
-                lower_source=_lower_source(self.config),
+                lower_source=lower_source(self.config),
             )
         else:
             self._worker = TieredOffloadWorker(
@@ -452,7 +408,7 @@ class TieredOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
         endpoint stops first)."""
         if self._worker is not None:
             self._worker.close_admin()
-        _close(self._slot)
+        close_slot(self._slot)
 
     def unregister_kv_caches(self) -> None:
         """vLLM 0.33's sleep mode, before the KV cache's memory is released: wait until

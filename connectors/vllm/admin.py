@@ -46,7 +46,7 @@ from .tierview import BooksView, tiers_report
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-    from .shared import _Shared
+    from .shared import Shared
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class AdminServer:
     """The endpoint of one rank's worker side (see the module docstring); serving once
     built, until :meth:`close`."""
 
-    def __init__(self, shared: _Shared, spec: AdminSpec, rank: int) -> None:
+    def __init__(self, shared: Shared, spec: AdminSpec, rank: int) -> None:
         self.shared = shared
         self.spec = spec
         self.rank = rank

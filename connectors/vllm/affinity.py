@@ -4,7 +4,7 @@ vLLM's CPU build binds each worker's main thread to one CPU, and a thread inheri
 creator's affinity. The Offloader's lanes and I/O threads are made from that thread, so
 without this module they would all share one core with OpenMP's first thread. It is a
 role of its own because it depends only on the process's environment (what vLLM set for
-OpenMP) and not on the connector's state: :func:`_rank_affinity` wraps the Offloader's
+OpenMP) and not on the connector's state: :func:`rank_affinity` wraps the Offloader's
 construction in :mod:`.worker`.
 """
 
@@ -38,7 +38,7 @@ def rank_cpus(environ: dict[str, str] | os._Environ[str] = os.environ) -> set[in
 
 
 @contextlib.contextmanager
-def _rank_affinity(ranks: int = 1) -> Iterator[None]:
+def rank_affinity(ranks: int = 1) -> Iterator[None]:
     """Start the Offloader's threads on more than the one CPU vLLM bound us to.
 
     vLLM's CPU build binds the worker's main thread to a single CPU (OpenMP's first),

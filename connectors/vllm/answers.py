@@ -18,7 +18,7 @@ lookup makes cannot outlive the request.
 
 One instance per engine rank, used by the scheduler in the worker's process
 (single-process mode) and by the books server for a scheduler in another process
-(:mod:`.books`): in both, the questions are answered the same way.
+(:mod:`.remote`): in both, the questions are answered the same way.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ INLINE_WAIT_S: Final = 0.005
 
 
 class Books(Protocol):
-    """What answers the questions, in the worker's memory (:class:`~.shared._Shared`)."""
+    """What answers the questions, in the worker's memory (:class:`~.shared.Shared`)."""
 
     def lookup(self, req_id: str, keys: list[BlockKey]) -> int | None: ...
     def prefetch(self, req_id: str, keys: list[BlockKey]) -> int: ...
@@ -58,7 +58,7 @@ class _Asked:
 
 
 class Answers:
-    """The questions of :class:`~.shared._Shared`'s scheduler-facing API, answered
+    """The questions of :class:`~.shared.Shared`'s scheduler-facing API, answered
     without blocking (see the module docstring)."""
 
     def __init__(self, shared: Books, timeout_s: float) -> None:

@@ -1,5 +1,5 @@
 """The books channel's wire: where its socket and key live, who may use them, and the
-shape of a message. Both ends (:mod:`.books`: the worker's server, the scheduler's
+shape of a message. Both ends (:mod:`.remote`: the worker's server, the scheduler's
 client) speak it, so they change together.
 
 Nobody else gets in. The socket and its key live in a directory only this user may
@@ -7,12 +7,12 @@ enter (``$TMPDIR/kvoffload-<uid>``, mode 0700 whatever the umask, refused if ano
 user owns it or may write it); the key is 32 random bytes per engine and rank, in a
 file of mode 0600, that the client proves it has (``multiprocessing.connection``'s
 challenge, which exchanges raw bytes) within :data:`CHALLENGE_TIMEOUT_S`. Every
-message is a JSON object of a fixed shape (:func:`_encode_question`), never
+message is a JSON object of a fixed shape (:func:`encode_question`), never
 unpickled, and one that does not parse (malformed, or nested past the recursion
 limit) has no number and is answered with an error.
 
 One engine id, one server per rank: the socket's path is the engine id's, so a
-second engine given the same id is refused at start (:func:`_refuse_if_served`)
+second engine given the same id is refused at start (:func:`refuse_if_served`)
 rather than taking over the first one's socket and key, which would leave the first
 engine's scheduler asking the wrong worker.
 """
@@ -43,10 +43,10 @@ CHALLENGE_TIMEOUT_S: Final = 1.0
 """Longest the server waits on a new client's key challenge. A real client answers at
 once (one HMAC, in the call that connects); the server has one thread, and a client
 that connects and says nothing must not hold it. One dropped by mistake (a scheduler
-descheduled for a second) connects again (:meth:`.books._RemoteBooks._connect`)."""
+descheduled for a second) connects again (:meth:`.remote.RemoteBooks._connect`)."""
 
 
-def _private_dir() -> Path:
+def private_dir() -> Path:
     """``$TMPDIR/kvoffload-<uid>``, made mode 0700 if new; ``PermissionError`` if it
     is not a directory this user owns and alone may enter."""
     path = Path(tempfile.gettempdir()) / f"kvoffload-{os.getuid()}"
@@ -63,18 +63,18 @@ def _private_dir() -> Path:
     return path
 
 
-def _address(engine_id: str, rank: int) -> str:
-    return str(_private_dir() / f"{engine_id}-{rank}.sock")
+def socket_address(engine_id: str, rank: int) -> str:
+    return str(private_dir() / f"{engine_id}-{rank}.sock")
 
 
-def _key_path(engine_id: str, rank: int) -> Path:
-    return _private_dir() / f"{engine_id}-{rank}.key"
+def key_file(engine_id: str, rank: int) -> Path:
+    return private_dir() / f"{engine_id}-{rank}.key"
 
 
-def _new_key(engine_id: str, rank: int) -> bytes:
+def new_key(engine_id: str, rank: int) -> bytes:
     """A fresh random key for this engine and rank, written mode 0600."""
     key = secrets.token_bytes(32)
-    path = _key_path(engine_id, rank)
+    path = key_file(engine_id, rank)
     path.unlink(missing_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
@@ -85,7 +85,7 @@ def _new_key(engine_id: str, rank: int) -> bytes:
     return key
 
 
-def _encode_question(n: int, op: str, arg: Any) -> bytes:
+def encode_question(n: int, op: str, arg: Any) -> bytes:
     """A question as JSON: keys (bytes) as hex."""
     if op in ("lookup", "prefetch"):
         req_id, keys = arg
@@ -93,7 +93,7 @@ def _encode_question(n: int, op: str, arg: Any) -> bytes:
     return json.dumps({"n": n, "op": op, "arg": arg}).encode()
 
 
-def _number(data: bytes) -> int:
+def question_number(data: bytes) -> int:
     """A question's number, for its answer even when the rest is malformed (-1 if it
     has none). JSON nested past the recursion limit raises ``RecursionError``, not
     ``ValueError``: anything that fails to parse has no number."""
@@ -105,7 +105,7 @@ def _number(data: bytes) -> int:
     return n if isinstance(n, int) else -1
 
 
-def _decode_question(data: bytes) -> tuple[int, str, Any]:
+def decode_question(data: bytes) -> tuple[int, str, Any]:
     """The number, name and arguments of a question; ``ValueError`` for anything but
     one of :data:`QUESTIONS` with arguments of its types."""
     msg = json.loads(data)
@@ -140,7 +140,7 @@ def _decode_question(data: bytes) -> tuple[int, str, Any]:
     return n, op, arg
 
 
-def _set_timeout(conn: Connection, seconds: float) -> None:
+def set_timeout(conn: Connection, seconds: float) -> None:
     """A receive and send timeout on ``conn``'s socket (0: none). ``Connection``
     reads and writes the descriptor directly, so a Python socket timeout (which makes
     it non-blocking) would not do: the kernel's ``SO_RCVTIMEO`` makes a blocked read
@@ -152,7 +152,7 @@ def _set_timeout(conn: Connection, seconds: float) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
 
 
-def _taken(engine_id: str, rank: int, address: str) -> str:
+def taken_message(engine_id: str, rank: int, address: str) -> str:
     return (
         f"kvoffload: engine id {engine_id!r} rank {rank}: another engine's books server "
         f"already listens at {address}; give each engine a unique `engine_id` in vLLM's "
@@ -160,7 +160,7 @@ def _taken(engine_id: str, rank: int, address: str) -> str:
     )
 
 
-def _refuse_if_served(address: str, engine_id: str, rank: int) -> None:
+def refuse_if_served(address: str, engine_id: str, rank: int) -> None:
     """``ConfigError`` if a live server listens at ``address``. A socket file nobody
     listens on (its process died) refuses the connection and may be replaced; a
     listener that does not take the connection at once (its backlog full) is alive.
@@ -174,4 +174,10 @@ def _refuse_if_served(address: str, engine_id: str, rank: int) -> None:
             return
         except OSError:
             pass
-    raise ConfigError(_taken(engine_id, rank, address))
+    raise ConfigError(taken_message(engine_id, rank, address))
+
+
+# The names these had before (tests import them).
+_address = socket_address
+_key_path = key_file
+_private_dir = private_dir

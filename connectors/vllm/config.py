@@ -201,7 +201,7 @@ def hybrid_layout(base: KVLayout, layers: int, page: int, groups: str) -> KVLayo
     )
 
 
-def _per_rank(config: KVOffloadConfig, rank: int) -> KVOffloadConfig:
+def per_rank(config: KVOffloadConfig, rank: int) -> KVOffloadConfig:
     """``config`` with every tier ``path`` moved into a ``rank<r>`` subdirectory."""
     # A Python dump, not JSON: a JSON dump masks secrets (a redis tier's password
     # becomes "**********"), and this one is validated again.
@@ -212,7 +212,7 @@ def _per_rank(config: KVOffloadConfig, rank: int) -> KVOffloadConfig:
     return load_config(raw, env={})
 
 
-def _warn_about_late_failures(config: KVOffloadConfig, transfer: Any) -> None:
+def warn_about_late_failures(config: KVOffloadConfig, transfer: Any) -> None:
     """Say at start how a request could still fail on a load error.
 
     Hits are verified before they are claimed, so corrupt or lost disk blocks never
@@ -253,7 +253,7 @@ def role_from_vllm(transfer: Any) -> str:
     return str(role)
 
 
-def _warn_about_unshared_roles(config: KVOffloadConfig, role: str) -> None:
+def warn_about_unshared_roles(config: KVOffloadConfig, role: str) -> None:
     """A producer's blocks reach a consumer only through a tier both engines share (a
     redis tier): say so at start when the role is set and there is none."""
     if role == BOTH:
@@ -266,6 +266,27 @@ def _warn_about_unshared_roles(config: KVOffloadConfig, role: str) -> None:
         )
 
 
-def _events_enabled(vllm_config: VllmConfig) -> bool:
+def events_enabled(vllm_config: VllmConfig) -> bool:
     events = vllm_config.kv_events_config
     return bool(events is not None and events.enable_kv_cache_events)
+
+
+LOCAL_DISKS: Final = frozenset({"mmap", "lmdb"})
+"""Backends whose blocks sit on this machine's disk (vLLM's ``disk`` hit source)."""
+
+
+def async_min_bytes(setting: int | None, replicated: bool) -> float | None:
+    """The scheduler side's background threshold: ``async_load_min_bytes``, ``None``
+    (unset) for the measured choice, and never for a cache every rank holds alike,
+    which rank 0 sends to the others within the step."""
+    if replicated:
+        return float("inf")
+    return None if setting is None else float(setting)
+
+
+def lower_source(config: KVOffloadConfig) -> str:
+    """vLLM's hit source of the blocks a hit takes from below the cpu tier: ``disk``
+    when every lower tier is a local disk, else ``external_unspecified`` (vLLM's value
+    for a store it cannot place: a shared server, a plugin's backend)."""
+    lower = {tier.backend for tier in config.tiers[1:]}
+    return "disk" if lower <= LOCAL_DISKS else "external_unspecified"

@@ -155,3 +155,43 @@ def _fresh(estimate: tuple[float, float] | None, now: float) -> float | None:
     if estimate is None or now - estimate[1] > STALE_S:
         return None
     return estimate[0]
+
+
+MAX_STEPS_IN_FLIGHT: Final = 4
+"""Steps scheduled and not yet done that the prefill timing tracks (vLLM's asynchronous
+scheduling keeps one ahead; more means a step's output never came back to us)."""
+
+
+class PrefillClock:
+    """The scheduler side's prefill samples for :meth:`Costs.prefill`: each step timed
+    from its scheduling to its output. That is its whole cost, its forward pass and the
+    device's synchronisation included, and no idle time (a forward pass timed on the
+    worker would be its launch alone on a GPU, and the gap between two steps'
+    scheduling holds the idle time before a new request). Called from vLLM's scheduler
+    thread only: no lock."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._in_flight: list[tuple[float, int]] = []
+        """Steps scheduled whose output is not in yet: when, and their tokens."""
+        self._sample: tuple[int, float] | None = None
+        """The last step timed as a prefill sample, for the next step's metadata."""
+
+    def scheduled(self, tokens: int) -> tuple[int, float] | None:
+        """Note a step of ``tokens`` scheduled now, and hand over the last step timed,
+        if it was a prefill sample, for the worker side (its estimates live there,
+        beside the lookups that use them)."""
+        self._in_flight.append((time.perf_counter(), tokens))
+        del self._in_flight[:-MAX_STEPS_IN_FLIGHT]
+        sample, self._sample = self._sample, None
+        return sample
+
+    def done(self) -> None:
+        """A step's output is in. With asynchronous scheduling a step is scheduled
+        before the previous one's output is in: the oldest step scheduled is the one
+        done. Steps of less than a block (decodes) are no prefill sample."""
+        if not self._in_flight:
+            return
+        scheduled, tokens = self._in_flight.pop(0)
+        if tokens >= self.block_size:
+            self._sample = (tokens, time.perf_counter() - scheduled)

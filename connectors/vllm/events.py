@@ -2,7 +2,7 @@
 ``BlockRemoved`` events (with ``kv_events_config.enable_kv_cache_events``).
 
 The worker side holds the tiers, so it is where their records are turned into events
-(:class:`_EventBook`, kept in :class:`~.shared._Shared`); the events then ride the
+(:class:`EventBook`, kept in :class:`~.shared.Shared`); the events then ride the
 step's ``KVConnectorOutput`` to the scheduler side (:class:`TieredOffloadKVEvents`),
 which hands them to vLLM's publisher. A module of its own because both roles use it
 and neither owns it: the worker side makes the events, the scheduler side publishes them.
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 MAX_EVENT_HASHES: Final = 1 << 20
 """Most keys no tier holds whose vLLM block (hash, parent hash, tokens) the worker side
 keeps for KV events (about 400 bytes each with 32-token blocks), when the tiers'
-capacities add up to more blocks; twice that in all (see :class:`_EventBook`)."""
+capacities add up to more blocks; twice that in all (see :class:`EventBook`)."""
 
 LOCAL: Final = "LOCAL"
 REMOTE: Final = "REMOTE"
@@ -135,7 +135,7 @@ Place = tuple[str, str]
 """Where a router files a tier's blocks: (``medium``, ``locality``)."""
 
 
-class _EventBook:
+class EventBook:
     """Worker side: turns the tiers' own store / eviction records into vLLM KV events.
 
     Every tier's manager records the keys it made ready (``removed=False``) and the keys
@@ -340,6 +340,9 @@ def _external_hash(block_hash: BlockHash) -> Any:
     return maybe_convert_block_hash(block_hash) if isinstance(block_hash, bytes) else block_hash
 
 
+_EventBook = EventBook
+"""The name it had before (tests import it)."""
+
 # Re-exported: how events travel between the roles (kept in their own module).
 from .event_tally import KVEventTally, TieredOffloadKVEvents  # noqa: E402
 
@@ -347,6 +350,7 @@ __all__ = [
     "MAX_EVENT_HASHES",
     "BlockHash",
     "EventBlocks",
+    "EventBook",
     "KVEventTally",
     "TieredOffloadKVEvents",
 ]

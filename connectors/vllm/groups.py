@@ -29,6 +29,7 @@ the KV cache vLLM allocated (``KVCacheConfig``) and its tensors.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -42,6 +43,7 @@ from kvoffload.exceptions import ConfigError
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
+logger = logging.getLogger(__name__)
 
 FULL = "full"
 SLIDING = "sliding"
@@ -188,6 +190,25 @@ def _kind(spec: Any, block_size: int, where: str = "group") -> tuple[str, int | 
         blocks = _cdiv(chunk, block_size)
         return SLIDING, blocks, f"chunked:{chunk}:{spec.head_size}:{spec.dtype}"
     return FULL, None, f"{name}:{spec.num_kv_heads}x{spec.head_size}:{spec.dtype}"
+
+
+def unkeyable(groups: list[Group], block_size: int, hash_block: int | None, warn: bool) -> bool:
+    """Whether the engine's blocks cannot be keyed, so the connector idles (warned
+    about once, by the scheduler side). Keys are one per ``request.block_hashes`` entry,
+    one per engine block, in every group: with another hash size, or a group of other
+    blocks (vLLM's prefix caching off for a Mamba hybrid: a state block per request,
+    hashes of max_model_len tokens), there is nothing to key."""
+    sizes = {g.block_size for g in groups if g.block_size} | {hash_block or 0}
+    other = sorted(sizes - {0, block_size})
+    if other and warn:
+        logger.warning(
+            "kvoffload: this engine's KV cache groups or vLLM's block hashes use "
+            "blocks of %s tokens besides its %d-token blocks: the connector stores "
+            "and loads nothing (turn vLLM's prefix caching on to get hits)",
+            other,
+            block_size,
+        )
+    return bool(other)
 
 
 def groups_from_vllm(kv_cache_config: KVCacheConfig | None, block_size: int) -> list[Group]:

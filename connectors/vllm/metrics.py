@@ -1,11 +1,11 @@
 """Stats and Prometheus: what the connector counts, and how vLLM sees it.
 
-The counters live with the worker side's state (:class:`~.shared._Shared` and the
+The counters live with the worker side's state (:class:`~.shared.Shared` and the
 Offloader's own ``TierStats``); this module names the connector's own
 (:data:`COUNTERS`), takes the tiers' from the tier metric schema
 (:data:`TIER_STATS`, and the latency histograms :data:`~kvoffload.metrics.TIER_HISTOGRAMS`,
 from :mod:`kvoffload.metrics`, so the stress report, the docs and this exposition cannot
-disagree on them), reads them (:func:`_snapshot`), carries their deltas to vLLM
+disagree on them), reads them (:func:`snapshot`), carries their deltas to vLLM
 (:class:`TieredOffloadStats`) and exposes them as ``vllm:kvoffload_*`` counters, a
 gauge and histograms (:class:`TieredOffloadPromMetrics`, built in vLLM's metrics
 process, which runs neither role). One module, because the names, the help texts and
@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -39,6 +39,7 @@ from kvoffload.metrics import (
     histogram_values,
     tier_state,
 )
+from kvoffload.plans import PrefetchStats
 from kvoffload.registry import get_backend_class
 
 from .config import config_from_vllm
@@ -89,6 +90,32 @@ class TieredOffloadStats(KVConnectorStats):  # type: ignore[misc]  # vLLM: Any
         return not any(self.data.values())
 
 
+def prefetch_counter(field: str) -> str:
+    """The connector's counter of the Offloader's ``PrefetchStats`` field ``field``:
+    ``prefetch_<field>``, but ``prefetched_blocks`` for ``prefetched``."""
+    return "prefetched_blocks" if field == "prefetched" else f"prefetch_{field}"
+
+
+PREFETCH_COUNTERS: Final[dict[str, str]] = {
+    prefetch_counter(f.name): f.name for f in fields(PrefetchStats)
+}
+"""The :data:`COUNTERS` read from the Offloader's :class:`~kvoffload.plans.PrefetchStats`
+(counter: field name), one per field: the dataclass declares them."""
+PREFETCH_HELP: Final[dict[str, str]] = {
+    "prefetched": "Blocks prefetched from a disk tier into the cpu tier and verified "
+    "before their hit was claimed.",
+    "hits": "Prefetched blocks later loaded into the engine's KV cache.",
+    "wasted": "Prefetched blocks that left the cpu tier unloaded, or whose prefetch was "
+    "cancelled (the request was aborted).",
+    "failed": "Blocks a prefetch could not bring up (corrupt, unreadable, or no room in the "
+    "cpu tier): the hit ended before them.",
+    "seconds": "Seconds spent in prefetch jobs.",
+    "late": "Claims that stopped waiting for their prefetches after load_timeout_ms and took "
+    "the prefix already in the cpu tier.",
+}
+"""Prometheus help text of each ``PrefetchStats`` field's counter, by field (a field
+without one fails this import; tests/test_vllm_prom.py checks that they agree)."""
+
 COUNTERS: Final[dict[str, str]] = {
     "lookups": "Lookups of a request's blocks in the tiers by the scheduler side.",
     "lookups_given_up": "Lookups not answered within books_timeout_ms (a tier hanging): "
@@ -123,16 +150,7 @@ COUNTERS: Final[dict[str, str]] = {
     "x block size; blocks the tier already held are not written again).",
     "kv_events_dropped": "KV cache events not emitted because the worker did not know the "
     "block's vLLM hash.",
-    "prefetched_blocks": "Blocks prefetched from a disk tier into the cpu tier and verified "
-    "before their hit was claimed.",
-    "prefetch_hits": "Prefetched blocks later loaded into the engine's KV cache.",
-    "prefetch_wasted": "Prefetched blocks that left the cpu tier unloaded, or whose "
-    "prefetch was cancelled (the request was aborted).",
-    "prefetch_failed": "Blocks a prefetch could not bring up (corrupt, unreadable, or no "
-    "room in the cpu tier): the hit ended before them.",
-    "prefetch_seconds": "Seconds spent in prefetch jobs.",
-    "prefetch_late": "Claims that stopped waiting for their prefetches after "
-    "load_timeout_ms and took the prefix already in the cpu tier.",
+    **{name: PREFETCH_HELP[attr] for name, attr in PREFETCH_COUNTERS.items()},
 }
 """Per-engine connector counters (:func:`connector_counters`; name: Prometheus help
 text); the tiers' own counters are in ``Offloader.stats`` (see :data:`TIER_STATS`).
@@ -141,15 +159,6 @@ where the first tier's store jobs complete (``get_finished``), from the bytes ea
 wrote: promotions into the first tier and copies down the chain are not engine stores
 and are counted only in the tiers' ``blocks_stored``."""
 
-PREFETCH_COUNTERS: Final[dict[str, str]] = {
-    "prefetched_blocks": "prefetched",
-    "prefetch_hits": "hits",
-    "prefetch_wasted": "wasted",
-    "prefetch_failed": "failed",
-    "prefetch_seconds": "seconds",
-    "prefetch_late": "late",
-}
-"""The :data:`COUNTERS` read from the Offloader's ``PrefetchStats`` (by field name)."""
 ENGINE_COUNTERS: Final[dict[str, str]] = {**COUNTERS, **HIT_COUNTERS}
 """Every per-engine counter: the worker side's (:data:`COUNTERS`) and the scheduler
 side's hit-path timings (:data:`.hitpath.HIT_COUNTERS`)."""
@@ -161,7 +170,7 @@ TIER_PROM_PREFIX: Final = f"{PROM_PREFIX}tier_"
 
 
 class _Counted(Protocol):
-    """What :func:`_snapshot` reads of one engine's worker side (``.shared._Shared``,
+    """What :func:`snapshot` reads of one engine's worker side (``.shared.Shared``,
     named by its shape so that this module, which that one imports, does not import
     it back)."""
 
@@ -170,7 +179,7 @@ class _Counted(Protocol):
     offloader: Offloader
 
 
-def _snapshot(shared: _Counted) -> dict[str, int | float]:
+def snapshot(shared: _Counted) -> dict[str, int | float]:
     """One engine's counters now: :data:`COUNTERS`, and :data:`TIER_STATS` per tier as
     ``tier.<name>.<counter>``. Called from the worker's thread (its stats) and from
     any reader's (:func:`~.shared.connector_counters`) while the books server's thread
@@ -197,6 +206,10 @@ def _snapshot(shared: _Counted) -> dict[str, int | float]:
             for name, value in histogram_values(h.name, getattr(stats, h.samples)).items():
                 counts[f"tier.{stats.name}.{name}"] = value
     return counts
+
+
+_snapshot = snapshot
+"""The name it had before (tests import it)."""
 
 
 class TieredOffloadPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]  # vLLM: Any

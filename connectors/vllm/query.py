@@ -149,7 +149,7 @@ def answer(
     block_size: int,
 ) -> dict[str, Any]:
     """The answer for vLLM block hashes ``hashes``; ``keys`` turns their keys into this
-    rank's tier keys (``_Shared.ns``). Tokens throughout (blocks x ``block_size``)::
+    rank's tier keys (``Shared.ns``). Tokens throughout (blocks x ``block_size``)::
 
         {"instances": {instance: {"longest_matched": 96, "gpu": 0, "dp": {"0": 0},
                                   "cpu": 32, "disk": 64, "remote": 96}},

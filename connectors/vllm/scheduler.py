@@ -3,11 +3,11 @@
 vLLM builds the connector with ``role=SCHEDULER`` beside its scheduler, and
 :class:`TieredOffloadConnector` hands that role's calls to
 :class:`TieredOffloadScheduler`. It holds no blocks: it asks the worker side's books
-(:class:`~.shared._Shared` in this process, else :class:`~.books._RemoteBooks`) what is
-held, and tells the worker, through each step's :class:`TieredOffloadMetadata`, which
-blocks to load and which to store. Kept apart from :mod:`.worker` because the two
-halves run in different processes in vLLM's default mode and share nothing but the
-metadata defined here and the books.
+(:class:`~.shared.Shared` in this process, else :class:`~.remote.RemoteBooks`) what is
+held, and tells the worker, through each step's :class:`~.metadata.TieredOffloadMetadata`,
+which blocks to load and which to store (those :mod:`.stores` picks). Kept apart from
+:mod:`.worker` because the two halves run in different processes in vLLM's default
+mode and share nothing but the metadata (:mod:`.metadata`) and the books.
 """
 
 from __future__ import annotations
@@ -15,21 +15,22 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_events import KVCacheEvent
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from kvoffload.keys import BlockKey, generation_keys, key_from_hash
 
 from .answers import Answers
-from .books import _RemoteBooks
 from .config import BOTH, CONSUMER, PRODUCER, ROLES
+from .costs import PrefillClock
 from .events import EventBlocks, KVEventTally
-from .groups import FULL, MAMBA, SLIDING, Group
+from .groups import FULL, Group
 from .hitpath import HitPath
-from .shared import _REGISTRY, _REGISTRY_LOCK
+from .metadata import Load, Store, TieredOffloadMetadata
+from .remote import RemoteBooks
+from .shared import REGISTRY, REGISTRY_LOCK
+from .stores import ReqState, StorePlanner
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -40,93 +41,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-MAX_STEPS_IN_FLIGHT = 4
-"""Steps scheduled and not yet done that the prefill timing tracks (vLLM's asynchronous
-scheduling keeps one ahead; more means a step's output never came back to us)."""
-
-
-@dataclass
-class _Load:
-    req_id: str
-    plan_id: int
-    block_ids: list[list[int]]
-    """Per KV cache group, the GPU blocks of the loaded positions ``[start, start +
-    n)``: a group whose hit needs only the blocks before the boundary (a window) loads
-    into the tail of its list."""
-    resumed: bool = False
-    """The request was preempted earlier: this load brings its work back."""
-    events: EventBlocks | None = None
-    """The loaded positions' blocks (hashes, parents, tokens) for KV events, ``None``
-    when they are off."""
-    background: bool = False
-    """vLLM's asynchronous load: the request waits (``WAITING_FOR_REMOTE_KVS``) while
-    the worker loads it in the background, and the worker reports it done
-    (``finished_recving``); its failed blocks are load errors, or, with several KV
-    cache groups, the whole load fails (``failed_recving``: vLLM cannot map a failed
-    block back to its request there)."""
-
-
-@dataclass
-class _Store:
-    req_id: str
-    keys: list[BlockKey]
-    block_ids: list[int]
-    events: EventBlocks | None = None
-    """The blocks of ``keys`` (hashes, parents, tokens) for KV events, ``None`` when
-    they are off (the metadata stays the keys and block ids)."""
-    group: int = 0
-    """The KV cache group of the blocks (their keys are namespaced by it)."""
-    fenced: bool = False
-    """vLLM may reuse these blocks while the request runs (a sliding window's block
-    leaving the window, a Mamba state block): the worker reads them before the next
-    step's forward pass."""
-
-
-@dataclass
-class TieredOffloadMetadata(KVConnectorMetadata):  # type: ignore[misc]  # vLLM: Any
-    """One step's instructions from the scheduler side to the worker side."""
-
-    loads: list[_Load] = field(default_factory=list)
-    stores: list[_Store] = field(default_factory=list)
-    prefill: tuple[int, float] | None = None
-    """A recent step's tokens and seconds, scheduled to output in (a sample of the
-    engine's prefill throughput, :mod:`.costs`), if there is one."""
-    preempted: set[str] = field(default_factory=set)
-    """Requests vLLM preempted for this step: their blocks may be reused by its
-    forward pass, so ``handle_preemptions`` waits for their stores to read them."""
-
-
-@dataclass
-class _ReqState:
-    """Scheduler-side view of one request."""
-
-    request: Request
-    block_ids: list[list[int]] = field(default_factory=list)
-    """Per KV cache group, the request's blocks (``0``: a block vLLM freed, or never
-    allocated, outside a sliding window)."""
-    stored_blocks: int = 0
-    """Full blocks already handed to the worker for storing (or known held), in the
-    full-attention groups."""
-    stored_windows: set[tuple[int, int]] = field(default_factory=set)
-    """(group, position) of the blocks of windowed groups handed for storing."""
-    had_store: bool = False
-    local_tokens: int = 0
-    """GPU prefix-cache hit, from the last ``get_num_new_matched_tokens``."""
-    background: bool = False
-    """Its last lookup's hit loads in the background (vLLM's asynchronous load)."""
-    claimed: bool = False
-    """The worker may hold a claim (pins, or prefetches waited for) for this request
-    that neither a plan nor a release has ended yet."""
-    first_lookup: float | None = None
-    """When this request was first looked up (``time.monotonic``): a consumer waits for
-    a producer's blocks from then, up to ``producer_wait_ms``."""
-    resident: int = 0
-    """Blocks of its prefix the cpu tier held at its first mention (from the worker,
-    at its load's plan): the rest of its hit came from the lower tiers."""
-    generation: int = 0
-    """The connector reset generation its KV is computed under (set at each lookup):
-    its blocks are stored under it, so a request whose KV predates a reset stores
-    where nothing after the reset looks."""
+# The step's metadata was defined here: still importable from here.
+__all__ = ["TieredOffloadMetadata", "TieredOffloadScheduler"]
+_Store = Store
 
 
 class TieredOffloadScheduler:
@@ -174,6 +91,8 @@ class TieredOffloadScheduler:
         and took a shorter hit."""
         self.ranks = ranks
         self.inert = inert
+        """vLLM's block hashes are not one per KV cache block: nothing to key, so no
+        lookups and no stores."""
         self.books_timeout_s = books_timeout_s
         self.prefetch_on_arrival = prefetch_on_arrival
         self.block_bytes = block_bytes
@@ -184,15 +103,11 @@ class TieredOffloadScheduler:
         """The hit path's timings, and where each hit loads: a hit of at least
         ``async_min_bytes`` loads in the background, or, with ``None``, the measured
         choice (:mod:`.hitpath`)."""
-        """vLLM's block hashes are not one per KV cache block: nothing to key, so no
-        lookups and no stores."""
         self.asked = ranks if asked is None else asked
         """Ranks whose books answer: all, or rank 0 alone for a cache every rank holds
         the same (MLA)."""
         self.groups = groups or [Group(0, FULL, None, b"", ())]
-        self._full = [g.index for g in self.groups if g.kind == FULL]
-        self._sliding = [g for g in self.groups if g.kind == SLIDING]
-        self._mamba = {g.index for g in self.groups if g.kind == MAMBA}
+        self._planner = StorePlanner(self.groups, block_size, self._keys, self._event_blocks)
         # Several groups: vLLM takes no block-level load failure (a block id is unique
         # only within its group), only a failed request of an asynchronous load; so
         # such an engine's hits load as vLLM's asynchronous loads, done in one step.
@@ -200,56 +115,54 @@ class TieredOffloadScheduler:
         self.block_size = block_size
         self._slot = slot
         self._events_enabled = events
-        self._reqs: dict[str, _ReqState] = {}
-        self._pending_loads: list[_Load] = []
-        self._pending_stores: list[_Store] = []
+        self._reqs: dict[str, ReqState] = {}
+        self._pending_loads: list[Load] = []
+        self._pending_stores: list[Store] = []
         self._failed_loads: set[str] = set()
         self._preempted: set[str] = set()
-        self._remote: _RemoteBooks | None = None
+        self._remote: RemoteBooks | None = None
         self._next_plan = 0
         self._events: list[KVCacheEvent] = []
         self._tally = KVEventTally(self.asked)
         """Each rank's events across steps: one is published once every rank that keeps
         tiers has reported it (vLLM's aggregation counts only the ranks that sent
         events in a step)."""
-        self._in_flight: list[tuple[float, int]] = []
-        """Steps scheduled whose output is not in yet: when, and their tokens."""
+        self._clock = PrefillClock(block_size)
+        """The steps timed as prefill samples, for the worker side's estimates."""
         self._output: tuple[set[str], dict[str, Any] | None] = (set(), None)
         """What the latest ``update_connector_output`` brought for :meth:`step_stats`:
         the background loads received, the worker's stats."""
-        self._sample: tuple[int, float] | None = None
-        """The last step timed as a prefill sample, for the next step's metadata."""
         self.generation = 0
         """Connector resets so far (:meth:`reset_cache`): the keys' reset generation."""
 
-    def _books(self) -> Answers | _RemoteBooks:
+    def _books(self) -> Answers | RemoteBooks:
         """Where the scheduler side asks: the worker's state when it is in this
         process (one rank), else connections to every rank."""
         if self._remote is not None:
             return self._remote
         if self.ranks == 1:
-            with _REGISTRY_LOCK:
-                shared = _REGISTRY.get(self._slot)
+            with REGISTRY_LOCK:
+                shared = REGISTRY.get(self._slot)
             if shared is not None:
                 return shared.answers
-        self._remote = _RemoteBooks(self.engine_id, self.asked, self.books_timeout_s)
+        self._remote = RemoteBooks(self.engine_id, self.asked, self.books_timeout_s)
         return self._remote
 
     def _keys(self, request: Request, n: int, generation: int | None = None) -> list[BlockKey]:
         """vLLM's block hashes as keys, under a reset generation (the current one
         unless given: a store's is its request's); each rank namespaces them too
-        (``_Shared.ns``)."""
+        (``Shared.ns``)."""
         keys = [
             key_from_hash(bytes(h) if not isinstance(h, int) else h)
             for h in request.block_hashes[:n]
         ]
         return generation_keys(keys, self.generation if generation is None else generation)
 
-    def _state(self, request: Request) -> _ReqState:
+    def _state(self, request: Request) -> ReqState:
         """The scheduler side's view of ``request``, made at its first mention."""
         state = self._reqs.get(request.request_id)
         if state is None:
-            state = self._reqs[request.request_id] = _ReqState(request, generation=self.generation)
+            state = self._reqs[request.request_id] = ReqState(request, generation=self.generation)
         return state
 
     def _event_blocks(self, request: Request, positions: Sequence[int]) -> EventBlocks | None:
@@ -355,7 +268,7 @@ class TieredOffloadScheduler:
         state.resident = books.sources(request.request_id)
         resumed = request.request_id in self._preempted
         self._pending_loads.append(
-            _Load(
+            Load(
                 request.request_id,
                 plan_id,
                 targets,
@@ -367,18 +280,15 @@ class TieredOffloadScheduler:
         # A background load's blocks are held by vLLM itself until the worker reports
         # the load received (finished_recving), even if the request ends meanwhile:
         # nothing to hold here (a finished_sending for it as well would be one too many).
-        # Blocks being loaded are held by us already: no need to store them back.
-        state.stored_blocks = max(state.stored_blocks, start + n)
-        for group in self.groups:
-            if group.window is not None:
-                first = max(0, start + n - group.window)
-                state.stored_windows.update((group.index, p) for p in range(first, start + n))
+        self._planner.loaded(state, start + n)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TieredOffloadMetadata:
         meta = TieredOffloadMetadata(
             loads=self._pending_loads,
             stores=self._pending_stores,
-            prefill=self._step_sample(scheduler_output),
+            prefill=self._clock.scheduled(
+                int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
+            ),
         )
         self.hitpath.step_sent(
             (load.req_id for load in meta.loads), scheduler_output.num_scheduled_tokens
@@ -395,13 +305,8 @@ class TieredOffloadScheduler:
         for i, req_id in enumerate(cached.req_ids):
             state = self._reqs.get(req_id)
             new_ids = cached.new_block_ids[i]
-            if state is None or new_ids is None:
-                continue
-            if req_id in cached.resumed_req_ids or not state.block_ids:
-                state.block_ids = [list(ids) for ids in new_ids]
-            else:
-                for have, more in zip(state.block_ids, new_ids, strict=False):
-                    have.extend(more)
+            if state is not None and new_ids is not None:
+                state.add_blocks(new_ids, resumed=req_id in cached.resumed_req_ids)
         # vLLM's current tables (sliding-window blocks freed and reused included):
         # those are what a store must read.
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
@@ -415,109 +320,14 @@ class TieredOffloadScheduler:
                 current = block_state.get_block_ids(req_id)
                 if current is not None:
                     state.block_ids = [list(ids) for ids in current]
-            req = state.request
-            done_tokens = req.num_computed_tokens + n_tokens
-            held = min((len(state.block_ids[g]) for g in self._full), default=0)
-            full = min(done_tokens // self.block_size, len(req.block_hashes), held)
-            if full > state.stored_blocks:
-                first = state.stored_blocks
-                keys = self._keys(req, full, state.generation)[first:]
-                blocks = self._event_blocks(req, range(first, full))
-                for g in self._full:
-                    ids = state.block_ids[g][first:full]
-                    meta.stores.append(_Store(req_id, keys, ids, blocks, group=g))
-                state.stored_blocks = full
-                state.had_store = True
-            if self._sliding:
-                # The window before the request's replay boundary: where a repeat of
-                # its prompt hits.
-                boundary = self._replay_boundary(req)
-                if done_tokens >= boundary * self.block_size:
-                    meta.stores.extend(self._window_stores(state, boundary))
+            done_tokens = state.request.num_computed_tokens + n_tokens
+            meta.stores.extend(self._planner.step_stores(state, done_tokens))
         if block_state is not None and self.stores:
             for req_id, handoffs in block_state.boundary_state_offloads.items():
-                meta.stores.extend(self._state_stores(req_id, handoffs))
+                state = self._reqs.get(req_id)
+                if state is not None:
+                    meta.stores.extend(self._planner.state_stores(state, handoffs))
         return meta
-
-    def _step_sample(self, scheduler_output: SchedulerOutput) -> tuple[int, float] | None:
-        """Note this step's scheduling (:meth:`_step_done` times it), and hand over
-        the last step timed, if it was a prefill sample, to the worker side (its
-        estimates live there, beside the lookups that use them)."""
-        tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
-        self._in_flight.append((time.perf_counter(), tokens))
-        del self._in_flight[:-MAX_STEPS_IN_FLIGHT]
-        sample, self._sample = self._sample, None
-        return sample
-
-    def _step_done(self) -> None:
-        """A step's output is in: the time since it was scheduled is its whole cost,
-        its forward pass and the device's synchronisation included, and no idle time
-        (a forward pass timed on the worker would be its launch alone on a GPU, and the
-        gap between two steps' scheduling holds the idle time before a new request).
-        With asynchronous scheduling a step is scheduled before the previous one's
-        output is in: the oldest step scheduled is the one done. Steps of less than a
-        block (decodes) are no prefill sample."""
-        if not self._in_flight:
-            return
-        scheduled, tokens = self._in_flight.pop(0)
-        if tokens >= self.block_size:
-            self._sample = (tokens, time.perf_counter() - scheduled)
-
-    def _replay_boundary(self, request: Request) -> int:
-        """The block boundary a repeat of ``request``'s prompt would hit at."""
-        return min(int(request.num_prompt_tokens - 1) // self.block_size, len(request.block_hashes))
-
-    def _window_stores(self, state: _ReqState, boundary: int) -> list[_Store]:
-        """Stores of each sliding-window group's blocks right before ``boundary`` not
-        stored yet, fenced; none for a group whose window there is not whole."""
-        stores = []
-        req = state.request
-        for group in self._sliding:
-            assert group.window is not None
-            first = max(0, boundary - group.window)
-            ids = state.block_ids[group.index][first:boundary]
-            if boundary == 0 or len(ids) < boundary - first or 0 in ids:
-                continue
-            todo = [
-                p for p in range(first, boundary) if (group.index, p) not in state.stored_windows
-            ]
-            if not todo:
-                continue
-            keys = self._keys(req, boundary, state.generation)
-            stores.append(
-                _Store(
-                    req.request_id,
-                    [keys[p] for p in todo],
-                    [ids[p - first] for p in todo],
-                    self._event_blocks(req, todo),
-                    group=group.index,
-                    fenced=True,
-                )
-            )
-            state.stored_windows.update((group.index, p) for p in todo)
-            state.had_store = True
-        return stores
-
-    def _state_stores(self, req_id: str, handoffs: list[tuple[int, int, int]]) -> list[_Store]:
-        """Stores of the Mamba states vLLM handed over this step: ``(group, block,
-        boundary tokens)``, each the state after the block before the boundary."""
-        state = self._reqs.get(req_id)
-        stores: list[_Store] = []
-        if state is None:
-            return stores
-        req = state.request
-        for group, block_id, boundary in handoffs:
-            pos = boundary // self.block_size - 1
-            if group not in self._mamba or block_id == 0 or boundary % self.block_size:
-                continue
-            if pos < 0 or pos >= len(req.block_hashes) or (group, pos) in state.stored_windows:
-                continue
-            key = self._keys(req, pos + 1, state.generation)[pos]
-            blocks = self._event_blocks(req, [pos])
-            stores.append(_Store(req_id, [key], [block_id], blocks, group=group, fenced=True))
-            state.stored_windows.add((group, pos))
-            state.had_store = True
-        return stores
 
     def request_finished(
         self, request: Request, block_ids: list[int] | tuple[list[int], ...]
@@ -531,14 +341,15 @@ class TieredOffloadScheduler:
         self._failed_loads.discard(request.request_id)
         if state is not None and state.claimed:  # ended before its load: aborted
             self._books().release(request.request_id)
-        if state is not None and self._sliding and self.stores and isinstance(block_ids, tuple):
+        windows = state is not None and self._planner.sliding and self.stores
+        if state is not None and windows and isinstance(block_ids, tuple):
             state.block_ids = [list(ids) for ids in block_ids]
             boundary = min(
                 request.num_computed_tokens // self.block_size,
                 len(request.block_hashes),
                 state.stored_blocks,
             )
-            self._pending_stores.extend(self._window_stores(state, boundary))
+            self._pending_stores.extend(self._planner.window_stores(state, boundary))
         # Hold the blocks while stores from them may still be running; the worker
         # reports the id once they are done.
         return (state is not None and state.had_store), None
@@ -552,9 +363,7 @@ class TieredOffloadScheduler:
         from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
         state = self._reqs.get(request.request_id)
-        start = state.local_tokens // self.block_size if state is not None else 0
-        resident = state.resident if state is not None else 0
-        host = min(max(0, resident - start) * self.block_size, num_external_tokens)
+        host = 0 if state is None else state.host_tokens(num_external_tokens, self.block_size)
         lower = CacheHitSource(self.lower_source)
         split = {CacheHitSource.HOST: host, lower: num_external_tokens - host}
         return {source: n for source, n in split.items() if n}
@@ -607,7 +416,7 @@ class TieredOffloadScheduler:
         counters since the previous call (:mod:`.hitpath`)."""
         received, stats = self._output
         self._output = (set(), None)
-        self._step_done()
+        self._clock.done()
         self.hitpath.step_done(received, stats)
         return self.hitpath.take()
 

@@ -1,10 +1,10 @@
 """The worker side's state, and the process-wide registry where both roles find it.
 
 One engine's worker side keeps its Offloader, its books (claims held and loads planned
-for the scheduler side), its counters and its KV-event book in one :class:`_Shared`,
-registered in :data:`_REGISTRY` by engine id (and rank). The scheduler side finds it
+for the scheduler side), its counters and its KV-event book in one :class:`Shared`,
+registered in :data:`REGISTRY` by engine id (and rank). The scheduler side finds it
 there when both roles share a process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), and
-asks it through :mod:`.books` when they do not; :func:`connector_counters` and
+asks it through :mod:`.remote` when they do not; :func:`connector_counters` and
 :func:`connector_health` read it for tests and tools. A module of its own because it
 is the one state both halves touch: neither :mod:`.scheduler` nor :mod:`.worker` owns
 it alone.
@@ -24,18 +24,18 @@ from kvoffload.offloader import LoadPlan, Offloader
 
 from .answers import Answers
 from .costs import Costs
-from .events import _EventBook
+from .events import EventBook
 from .groups import Group
-from .metrics import COUNTERS, _snapshot
+from .metrics import COUNTERS, snapshot
 
 if TYPE_CHECKING:
-    from .books import _BooksServer
+    from .remote import BooksServer
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class _GroupPlan:
+class GroupPlan:
     """One KV cache group's part of a claim or a load."""
 
     group: int
@@ -46,23 +46,23 @@ class _GroupPlan:
 
 
 @dataclass
-class _Shared:
+class Shared:
     """What the two roles of one engine share in its process."""
 
     offloader: Offloader
-    events: _EventBook
+    events: EventBook
     namespace: bytes
     """This rank's layout fingerprint: every key the scheduler side sends is namespaced
     with it here, so each rank keeps (and finds) its own shard of a block."""
     groups: list[Group] = field(default_factory=lambda: [Group(0, "full", None, b"", ())])
     """The engine's KV cache groups (:mod:`.groups`)."""
-    plans: dict[int, list[_GroupPlan]] = field(default_factory=dict)
+    plans: dict[int, list[GroupPlan]] = field(default_factory=dict)
     """Loads planned by the scheduler side, by its plan id, until ``start_load_kv``:
     one plan per KV cache group."""
     abandoned_plans: set[int] = field(default_factory=set)
     """Plan ids the worker found missing when it loaded (their question came late):
     when one arrives it is unpinned at once."""
-    holds: dict[str, dict[int, _GroupPlan]] = field(default_factory=dict)
+    holds: dict[str, dict[int, GroupPlan]] = field(default_factory=dict)
     """Decided claims, by request id and group: pinned until planned or released."""
     resident: dict[str, int] = field(default_factory=dict)
     """Per request looked up and not yet planned or released: the blocks of its prefix
@@ -70,7 +70,7 @@ class _Shared:
     per-source hit counts; the scheduler side takes it (``sources``) right after the
     plan, whether or not vLLM asks for hit sources."""
     counters: dict[str, int | float] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
-    server: _BooksServer | None = None
+    server: BooksServer | None = None
     costs: Costs | None = None
     """The load-or-recompute estimates (``None``: every hit is loaded whole)."""
     books_timeout_s: float = 1.0
@@ -115,7 +115,7 @@ class _Shared:
                 self.counters[name] += n
 
     # The scheduler side's three questions, answered here (in this process, or for a
-    # scheduler in another process through _BooksServer).
+    # scheduler in another process through BooksServer).
     def lookup(self, req_id: str, keys: list[BlockKey]) -> int | None:
         """The verified hit of ``req_id`` (pinned for it), or ``None`` while its
         blocks are being prefetched. A new lookup of the same request replaces its
@@ -131,7 +131,7 @@ class _Shared:
             return 0
         off = self.offloader
         self._note_resident(req_id, keys)
-        held: dict[int, _GroupPlan] = {}
+        held: dict[int, GroupPlan] = {}
         pending = False
         hit = len(keys)
         for group in self.groups:
@@ -140,7 +140,7 @@ class _Shared:
                 if plan is None:
                     pending = True
                 else:
-                    held[group.index] = _GroupPlan(group.index, plan, 0)
+                    held[group.index] = GroupPlan(group.index, plan, 0)
                     hit = min(hit, plan.hits)
         windowed = [g for g in self.groups if g.window is not None]
         if windowed and not pending:
@@ -152,7 +152,7 @@ class _Shared:
                 if plan is None:
                     pending = True
                     continue
-                held[group.index] = _GroupPlan(group.index, plan, first)
+                held[group.index] = GroupPlan(group.index, plan, first)
                 if plan.hits < hit - first:  # lost meanwhile: no hit this time
                     hit = 0
         if pending or hit == 0:
@@ -221,7 +221,7 @@ class _Shared:
         which the scheduler never causes)."""
         with self.lock:
             hold = self.holds.pop(req_id, None)
-        plans: list[_GroupPlan] = []
+        plans: list[GroupPlan] = []
         if hold is None:
             logger.warning("kvoffload: no claim held for request %s; loading nothing", req_id)
         else:
@@ -231,7 +231,7 @@ class _Shared:
                 narrowed = self.offloader.narrow(
                     group_plan.plan, first - group_plan.first, stop - group_plan.first
                 )
-                plans.append(_GroupPlan(group_plan.group, narrowed, first - start))
+                plans.append(GroupPlan(group_plan.group, narrowed, first - start))
         with self.lock:
             late = plan_id in self.abandoned_plans
             self.abandoned_plans.discard(plan_id)
@@ -331,24 +331,29 @@ class _Shared:
         return keys[:n]
 
 
-_REGISTRY: dict[str, _Shared] = {}
-"""Worker-side state in this process, by :func:`_registry_key`."""
-_REGISTRY_LOCK = threading.Lock()
+REGISTRY: dict[str, Shared] = {}
+"""Worker-side state in this process, by :func:`registry_key`."""
+REGISTRY_LOCK = threading.Lock()
+
+# The names these had before (tests and test helpers import them).
+_REGISTRY = REGISTRY
+_REGISTRY_LOCK = REGISTRY_LOCK
+_Shared = Shared
 
 
-def _registry_key(engine_id: str, rank: int) -> str:
+def registry_key(engine_id: str, rank: int) -> str:
     """The engine id for rank 0 (the only rank of most engines), else ``<id>.rank<r>``."""
     return engine_id if rank == 0 else f"{engine_id}.rank{rank}"
 
 
 def connector_counters() -> dict[str, dict[str, int | float]]:
-    """This process's connector counters per engine id (see :func:`_snapshot`): totals
+    """This process's connector counters per engine id (see :func:`snapshot`): totals
     since the worker side started."""
-    with _REGISTRY_LOCK:  # engines register and close in other threads
-        engines = dict(_REGISTRY)
+    with REGISTRY_LOCK:  # engines register and close in other threads
+        engines = dict(REGISTRY)
     # Read outside the registry's lock: a snapshot waits for the engine's own locks,
     # and the scheduler side takes the registry's lock every step.
-    return {engine_id: _snapshot(shared) for engine_id, shared in engines.items()}
+    return {engine_id: snapshot(shared) for engine_id, shared in engines.items()}
 
 
 def connector_health() -> dict[str, dict[str, Any]]:
@@ -356,8 +361,8 @@ def connector_health() -> dict[str, dict[str, Any]]:
     ``holds`` (requests with a decided claim not yet loaded), ``prefetches`` (jobs in
     flight), ``claims`` (requests waiting on prefetches) and ``problems`` (the
     Offloader's consistency check). All zero and empty when the engine is idle."""
-    with _REGISTRY_LOCK:
-        engines = dict(_REGISTRY)
+    with REGISTRY_LOCK:
+        engines = dict(REGISTRY)
     report: dict[str, dict[str, Any]] = {}
     for engine_id, shared in engines.items():
         off = shared.offloader
@@ -375,11 +380,11 @@ def connector_health() -> dict[str, dict[str, Any]]:
     return report
 
 
-def _close(slot: str) -> None:
+def close_slot(slot: str) -> None:
     """Unregister the worker side's state at ``slot``, stop its books server and close
     its Offloader; nothing if no worker side is registered there (in this process)."""
-    with _REGISTRY_LOCK:
-        shared = _REGISTRY.pop(slot, None)
+    with REGISTRY_LOCK:
+        shared = REGISTRY.pop(slot, None)
     if shared is not None:
         if shared.server is not None:
             shared.server.close()

@@ -3,9 +3,9 @@ worker side what it holds.
 
 In vLLM's default mode the worker runs in its own process (on the CPU build always:
 its platform turns the ``uni`` executor into ``mp``), so the scheduler side cannot
-call the worker's :class:`~.shared._Shared` directly. :class:`_BooksServer` (worker
+call the worker's :class:`~.shared.Shared` directly. :class:`BooksServer` (worker
 side, one per engine and rank) answers its questions (``lookup``, ``plan``,
-``release``, ``sources``, ``reset``), and :class:`_RemoteBooks` (scheduler side) asks
+``release``, ``sources``, ``reset``), and :class:`RemoteBooks` (scheduler side) asks
 every rank and combines the answers. Microseconds per question against a step of
 milliseconds, and the books stay where the bytes are. Kept apart from both halves
 because it is their protocol: the server and the client must change together. Who
@@ -14,7 +14,7 @@ may connect and what a message looks like is the wire's (:mod:`.channel`).
 No wait is unbounded. A question not answered within ``timeout_s`` costs a miss (a
 lookup answers 0): a worker stuck in a tier never hangs the scheduler. Answers carry
 the question's number, and late ones are dropped when they arrive. A lookup across
-ranks ends when its slowest rank has decided (:class:`_RemoteBooks`). A client that
+ranks ends when its slowest rank has decided (:class:`RemoteBooks`). A client that
 does not answer the key challenge in time is dropped, and a message the server cannot
 read costs its sender an error answer or its connection, never the server its thread.
 """
@@ -44,32 +44,32 @@ from kvoffload.keys import BlockKey
 from .channel import (
     CHALLENGE_TIMEOUT_S,
     MAX_MESSAGE,
-    _address,
-    _decode_question,
-    _encode_question,
-    _key_path,
-    _new_key,
-    _number,
-    _refuse_if_served,
-    _set_timeout,
-    _taken,
+    decode_question,
+    encode_question,
+    key_file,
+    new_key,
+    question_number,
+    refuse_if_served,
+    set_timeout,
+    socket_address,
+    taken_message,
 )
 
 logger = logging.getLogger(__name__)
 
 
 class _Answers(Protocol):
-    """What :class:`_BooksServer` serves: the worker side's answers
-    (``.shared._Shared.answer``; named by its shape, so that this module does not
+    """What :class:`BooksServer` serves: the worker side's answers
+    (``.shared.Shared.answer``; named by its shape, so that this module does not
     import the one that imports it)."""
 
     def answer(self, op: str, arg: Any) -> Any: ...
 
 
-class _BooksServer:
+class BooksServer:
     """Answers a scheduler in another process (vLLM's default on its CPU build runs the
     worker in its own process): one Unix socket per engine and rank, one thread,
-    questions (:func:`_decode_question`) answered in order, each with its number.
+    questions (:func:`decode_question`) answered in order, each with its number.
     Microseconds per call against a step of milliseconds, and the books stay where the
     bytes are. One connection is served at a time (there is one scheduler); what a
     client sends can cost it its connection, never the thread."""
@@ -77,9 +77,9 @@ class _BooksServer:
     challenge_timeout_s: float = CHALLENGE_TIMEOUT_S
 
     def __init__(self, shared: _Answers, engine_id: str, rank: int) -> None:
-        self.address = _address(engine_id, rank)
-        self.key_path = _key_path(engine_id, rank)
-        _refuse_if_served(self.address, engine_id, rank)
+        self.address = socket_address(engine_id, rank)
+        self.key_path = key_file(engine_id, rank)
+        refuse_if_served(self.address, engine_id, rank)
         # A stale socket and key (their server is gone): the key file is written only
         # once the new socket listens, so a client never reads an old key for it.
         Path(self.address).unlink(missing_ok=True)
@@ -89,10 +89,10 @@ class _BooksServer:
             self._sock.bind(self.address)
         except OSError as exc:  # another server bound it since the check
             self._sock.close()
-            raise ConfigError(_taken(engine_id, rank, self.address)) from exc
+            raise ConfigError(taken_message(engine_id, rank, self.address)) from exc
         os.chmod(self.address, 0o600)
         self._sock.listen(8)
-        self._key = _new_key(engine_id, rank)
+        self._key = new_key(engine_id, rank)
         self.shared = shared
         self._stopping = threading.Event()
         self._conn: Connection | None = None  # the connection being served
@@ -123,10 +123,10 @@ class _BooksServer:
         """Whether the client proves it has the key within ``challenge_timeout_s``
         (a receive and send timeout on the socket, lifted once it has)."""
         try:
-            _set_timeout(conn, self.challenge_timeout_s)
+            set_timeout(conn, self.challenge_timeout_s)
             deliver_challenge(conn, self._key)
             answer_challenge(conn, self._key)
-            _set_timeout(conn, 0.0)
+            set_timeout(conn, 0.0)
         except (AuthenticationError, EOFError, OSError) as exc:
             logger.debug("kvoffload books %s: client refused: %r", self.address, exc)
             return False
@@ -145,9 +145,9 @@ class _BooksServer:
     def _reply(self, data: bytes) -> bytes:
         """The answer to one message: its value, or an error for anything malformed
         or failing (the scheduler raises it)."""
-        n = _number(data)
+        n = question_number(data)
         try:
-            n, op, arg = _decode_question(data)
+            n, op, arg = decode_question(data)
             return json.dumps({"n": n, "value": self.shared.answer(op, arg)}).encode()
         except Exception as exc:
             return json.dumps({"n": n, "error": f"{type(exc).__name__}: {exc}"}).encode()
@@ -183,7 +183,7 @@ class _Lookup:
     """By rank, the answers already given (each rank holds its claim meanwhile)."""
 
 
-class _RemoteBooks:
+class RemoteBooks:
     """The scheduler side's handle on the workers' books in other processes: one
     connection per rank. Each rank holds its own shard of every block, so a block is
     loadable only where every rank has it: the answers are the minimum over ranks (the
@@ -213,11 +213,11 @@ class _RemoteBooks:
         """A connection to the rank's server, once it is up (60 s at most). A failed
         challenge is tried again: the key read may be a server's that just stopped,
         or the server dropped this client as too slow (:data:`CHALLENGE_TIMEOUT_S`)."""
-        address = _address(engine_id, rank)
+        address = socket_address(engine_id, rank)
         deadline = time.monotonic() + 60
         while True:
             try:
-                key = _key_path(engine_id, rank).read_bytes()
+                key = key_file(engine_id, rank).read_bytes()
                 return Client(address, family="AF_UNIX", authkey=key)
             except (FileNotFoundError, ConnectionError, EOFError, AuthenticationError):
                 if time.monotonic() > deadline:
@@ -243,7 +243,7 @@ class _RemoteBooks:
         with self.lock:
             self._n += 1
             n = self._n
-            data = _encode_question(n, op, arg)
+            data = encode_question(n, op, arg)
             for rank in ranks:
                 self.conns[rank].send_bytes(data)
             deadline = time.monotonic() + self.timeout_s
@@ -314,3 +314,8 @@ class _RemoteBooks:
 
     def reset(self) -> int:
         return self._ask("reset", None) or 0
+
+
+# The names these had before (tests import them).
+_BooksServer = BooksServer
+_RemoteBooks = RemoteBooks
