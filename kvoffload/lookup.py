@@ -17,7 +17,7 @@ vLLM and without asking any engine:
    ``("cache_salt", salt)`` on the first; multimodal prompts are not supported.
 2. **The connector's keys**: each hash, as bytes, namespaced by the layout fingerprint
    of the engine's rank (``namespaced(hash, fingerprint)``, as the connector's
-   ``_Shared.ns`` does for a model with one KV cache group). The fingerprint covers the
+   ``Shared.ns`` does for a model with one KV cache group). The fingerprint covers the
    model's shape and ``model_id`` (:class:`VllmEngineLayout`, the same formula as
    ``layout_from_vllm``), or is given as it is.
 3. **The server's names**: ``{key_prefix}:{fingerprint hex}:{key hex}``, the redis
@@ -335,10 +335,10 @@ class PrefixLookup:
                 pipe.exists(name)
 
         before = backend.round_trips
-        # One pipeline, as the tier's own batches: RedisBackend._run sends it (the
+        # One pipeline, as the tier's own batches: RedisBackend.run_batch sends it (the
         # cluster client groups it per master) and turns any failure into one
         # BackendError line without credentials.
-        found = [bool(r) for r in backend._run("lookup", len(names), queue)] if names else []
+        found = [bool(r) for r in backend.run_batch("lookup", len(names), queue)] if names else []
         trips = backend.round_trips - before
         out: list[int] = []
         for blocks_asked in asked:

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from kvoffload.connectors.vllm.scheduler import TieredOffloadMetadata, _Store
+from kvoffload.connectors.vllm.metadata import Store, TieredOffloadMetadata
 from kvoffload.connectors.vllm.shared import _close
 from kvoffload.connectors.vllm.worker import TieredOffloadWorker
 
@@ -97,7 +97,7 @@ def run(tokens: int, repeats: int) -> dict[str, Any]:
                 req_id = f"r{rep}-{mode}"
                 if mode != "idle":
                     keys = [BlockKey(uuid.uuid4().bytes) for _ in range(blocks)]
-                    store = _Store(req_id, keys, list(range(blocks)))
+                    store = Store(req_id, keys, list(range(blocks)))
                     worker.wait_for_save(TieredOffloadMetadata(stores=[store]))
                 step = TieredOffloadMetadata(preempted={req_id} if mode == "preempted" else set())
                 times[mode].append(timed(partial(worker.handle_preemptions, step)))

@@ -98,7 +98,7 @@ def filled(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]
     """Per codec (``none``, ``zstd``): the ssd tier's expected figures, the snapshot
     the connector takes of its Offloader, and the config to inspect it by (the
     Offloader closed, as inspect requires)."""
-    from kvoffload.connectors.vllm.metrics import _snapshot
+    from kvoffload.connectors.vllm.metrics import snapshot as take_snapshot
 
     out: dict[str, dict[str, Any]] = {}
     for codec in ("none", "zstd"):
@@ -107,7 +107,7 @@ def filled(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]
         try:
             expected = _expected(off)
             shared = SimpleNamespace(lock=threading.Lock(), counters={}, offloader=off)
-            snapshot = _snapshot(shared)  # type: ignore[arg-type]
+            snapshot = take_snapshot(shared)  # type: ignore[arg-type]
         finally:
             off.close()
         out[codec] = {"expected": expected, "snapshot": snapshot, "tiers": _tiers(tmp, codec)}

@@ -5,7 +5,7 @@ the redis tier holds. The lookup rebuilds vLLM's block hashes, the connector's k
 the tier's names without vLLM; each step is checked here against the real thing:
 hashes against vLLM's own ``Request.block_hashes`` (every hash algorithm, the seed
 set or not, LoRA and cache salt), layouts against ``layout_from_vllm`` on a real
-``VllmConfig``, keys against the connector's ``_Shared.ns``, names against the blocks
+``VllmConfig``, keys against the connector's ``Shared.ns``, names against the blocks
 the redis backend wrote. Then 256 prompts against a real server and a real 3-master
 cluster: the right prefix lengths, and one request per node, counted on the wire (a
 proxy in front of each node), by the backend and by each server's commandstats.
@@ -146,9 +146,9 @@ def test_the_layout_is_the_connectors(tmp_path: Path) -> None:
 
 
 def test_keys_and_names_are_the_connectors_and_the_tiers() -> None:
-    """A key is ``_Shared.ns`` of vLLM's hash; its name is the redis tier's."""
+    """A key is ``Shared.ns`` of vLLM's hash; its name is the redis tier's."""
     from kvoffload.connectors.vllm.groups import Group
-    from kvoffload.connectors.vllm.shared import _Shared
+    from kvoffload.connectors.vllm.shared import Shared
 
     config = load_config({"tiers": [{"name": "r", "backend": "redis", "url": "redis://x:1"}]})
     hashing = VllmHashing(BS)
@@ -156,7 +156,7 @@ def test_keys_and_names_are_the_connectors_and_the_tiers() -> None:
     layout = ENGINE.layout(0)
     shared = SimpleNamespace(namespace=layout.fingerprint, groups=[Group(0, "full", None, b"", ())])
     hashes = [key_from_hash(h) for h in hashing.block_hashes(tokens)]
-    connector: list[BlockKey] = _Shared.ns(shared, hashes)  # type: ignore[arg-type]
+    connector: list[BlockKey] = Shared.ns(shared, hashes)  # type: ignore[arg-type]
     with PrefixLookup(config, hashing, ENGINE) as lookup:
         assert [k[0] for k in lookup.keys(tokens)] == [bytes(k) for k in connector]
         tier = RedisBackend(RedisTierConfig(name="r", url="redis://x:1"), layout)

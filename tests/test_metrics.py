@@ -155,7 +155,8 @@ def test_connector_stats_and_prometheus_carry_every_counter() -> None:
     if not HAS_VLLM:
         pytest.skip("vLLM is not installed")
     from kvoffload.connectors.vllm import TIER_STATS, TieredOffloadPromMetrics
-    from kvoffload.connectors.vllm.metrics import TIER_PROM_PREFIX, _snapshot
+    from kvoffload.connectors.vllm.metrics import TIER_PROM_PREFIX
+    from kvoffload.connectors.vllm.metrics import snapshot as take_snapshot
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
     from kvoffload.plans import PrefetchStats
@@ -172,7 +173,7 @@ def test_connector_stats_and_prometheus_carry_every_counter() -> None:
             tiers=[],  # no tier to read what it holds: the stats' values stand
         ),
     )
-    snapshot = _snapshot(shared)  # type: ignore[arg-type]
+    snapshot = take_snapshot(shared)  # type: ignore[arg-type]
     tier_keys = {k: v for k, v in snapshot.items() if k.startswith("tier.")}
     # The samples 0.001 and 0.002 (stores) and 0.003 (loads) fall in buckets 1, 2, 3.
     buckets = {

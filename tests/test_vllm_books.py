@@ -20,8 +20,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from kvoffload.connectors.vllm.channel import _address, _key_path, _private_dir
-from kvoffload.connectors.vllm.remote import BooksError, _BooksServer, _RemoteBooks
+from kvoffload.connectors.vllm.channel import key_file, private_dir, socket_address
+from kvoffload.connectors.vllm.remote import BooksError, BooksServer, RemoteBooks
 
 from kvoffload.exceptions import ConfigError
 
@@ -47,12 +47,12 @@ class _Stub:
 
 
 @pytest.fixture
-def served() -> Iterator[tuple[str, _Stub, _BooksServer]]:
+def served() -> Iterator[tuple[str, _Stub, BooksServer]]:
     engine_id = f"books-{uuid.uuid4().hex[:8]}"
     stub = _Stub()
     old = os.umask(0)  # the most permissive umask there is
     try:
-        server = _BooksServer(SimpleNamespace(answer=stub.answer), engine_id, 0)  # type: ignore[arg-type]
+        server = BooksServer(SimpleNamespace(answer=stub.answer), engine_id, 0)  # type: ignore[arg-type]
     finally:
         os.umask(old)
     yield engine_id, stub, server
@@ -61,26 +61,26 @@ def served() -> Iterator[tuple[str, _Stub, _BooksServer]]:
 
 
 def test_the_socket_and_its_key_are_private_under_umask_000(
-    served: tuple[str, _Stub, _BooksServer],
+    served: tuple[str, _Stub, BooksServer],
 ) -> None:
     engine_id, _, _ = served
     for path, mode in (
-        (_private_dir(), 0o700),
-        (Path(_address(engine_id, 0)), 0o600),
-        (_key_path(engine_id, 0), 0o600),
+        (private_dir(), 0o700),
+        (Path(socket_address(engine_id, 0)), 0o600),
+        (key_file(engine_id, 0), 0o600),
     ):
         info = os.lstat(path)
         assert (stat.S_IMODE(info.st_mode), info.st_uid) == (mode, os.getuid()), path
-    assert len(_key_path(engine_id, 0).read_bytes()) == 32  # random, not the engine id
+    assert len(key_file(engine_id, 0).read_bytes()) == 32  # random, not the engine id
 
 
 def test_another_user_can_neither_connect_nor_read_the_key(
-    served: tuple[str, _Stub, _BooksServer],
+    served: tuple[str, _Stub, BooksServer],
 ) -> None:
     if os.getuid() != 0:
         pytest.skip("needs root to run a process as another user")
     engine_id, stub, _ = served
-    key, address = _key_path(engine_id, 0), _address(engine_id, 0)  # root's paths
+    key, address = key_file(engine_id, 0), socket_address(engine_id, 0)  # root's paths
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: another user, trying both ways in
@@ -119,13 +119,13 @@ class _Opens:
 
 
 def test_a_message_is_never_unpickled(
-    served: tuple[str, _Stub, _BooksServer], tmp_path: Path
+    served: tuple[str, _Stub, BooksServer], tmp_path: Path
 ) -> None:
     """A pickle that would create a file when unpickled, sent with the right key: the
     server answers with an error, the file never appears, and it answers a real
     question next."""
     engine_id, stub, _ = served
-    remote = _RemoteBooks(engine_id, 1)
+    remote = RemoteBooks(engine_id, 1)
     marker = tmp_path / "unpickled"
     try:
         (conn,) = remote.conns
@@ -142,13 +142,13 @@ def test_a_message_is_never_unpickled(
 
 
 def test_a_stuck_worker_costs_a_miss_and_its_late_answer_is_dropped(
-    served: tuple[str, _Stub, _BooksServer],
+    served: tuple[str, _Stub, BooksServer],
 ) -> None:
     """The worker does not answer a lookup (stuck in a tier): after ``timeout_s`` the
     lookup is a miss, not a hung scheduler; the answer that comes later is not taken
     for the next question's."""
     engine_id, stub, _ = served
-    remote = _RemoteBooks(engine_id, 1, timeout_s=0.2)
+    remote = RemoteBooks(engine_id, 1, timeout_s=0.2)
     try:
         assert remote.lookup("stuck", []) == 0
         assert remote.timeouts == 1
@@ -180,16 +180,16 @@ class _Turns(_Stub):
 
 
 @pytest.fixture
-def two_ranks() -> Iterator[tuple[str, list[_Turns], _RemoteBooks]]:
+def two_ranks() -> Iterator[tuple[str, list[_Turns], RemoteBooks]]:
     """Two ranks of one engine, each on its own real server; rank 0 would hit 4
     blocks, rank 1 6."""
     engine_id = f"books-{uuid.uuid4().hex[:8]}"
     stubs = [_Turns(0, 4), _Turns(1, 6)]
     servers = [
-        _BooksServer(SimpleNamespace(answer=stub.answer), engine_id, rank)  # type: ignore[arg-type]
+        BooksServer(SimpleNamespace(answer=stub.answer), engine_id, rank)  # type: ignore[arg-type]
         for rank, stub in enumerate(stubs)
     ]
-    remote = _RemoteBooks(engine_id, 2, timeout_s=30)
+    remote = RemoteBooks(engine_id, 2, timeout_s=30)
     yield engine_id, stubs, remote
     for conn in remote.conns:
         conn.close()
@@ -202,7 +202,7 @@ def _ops(stub: _Stub, op: str) -> list[Any]:
 
 
 def test_ranks_slow_in_turn_still_decide(
-    two_ranks: tuple[str, list[_Turns], _RemoteBooks],
+    two_ranks: tuple[str, list[_Turns], RemoteBooks],
 ) -> None:
     """Rank 0 is undecided on this ask, rank 1 on the next, and so on: a decided
     rank's answer is kept until every rank has decided, so the lookup ends (the least
@@ -219,7 +219,7 @@ def test_ranks_slow_in_turn_still_decide(
 
 
 def test_a_kept_answer_is_released_on_every_rank(
-    two_ranks: tuple[str, list[_Turns], _RemoteBooks],
+    two_ranks: tuple[str, list[_Turns], RemoteBooks],
 ) -> None:
     """A rank's decided answer is kept (its claim pinned) while the other decides;
     the request ends meanwhile: its release reaches every rank, and a plan too."""
@@ -234,7 +234,7 @@ def test_a_kept_answer_is_released_on_every_rank(
 
 
 def test_a_rank_that_misses_decides_the_lookup(
-    two_ranks: tuple[str, list[_Turns], _RemoteBooks],
+    two_ranks: tuple[str, list[_Turns], RemoteBooks],
 ) -> None:
     """A block is loadable only where every rank holds it: one rank's 0 is the
     answer, whatever the undecided ranks will say."""
@@ -246,13 +246,13 @@ def test_a_rank_that_misses_decides_the_lookup(
 
 
 def test_deeply_nested_json_is_an_error_and_the_server_goes_on(
-    served: tuple[str, _Stub, _BooksServer],
+    served: tuple[str, _Stub, BooksServer],
 ) -> None:
     """JSON nested past the interpreter's recursion limit (``RecursionError``, not a
     ``ValueError``), sent with the right key: answered with an error, and the same
     connection, then a new one, are still served."""
     engine_id, _, _ = served
-    remote = _RemoteBooks(engine_id, 1, timeout_s=10)
+    remote = RemoteBooks(engine_id, 1, timeout_s=10)
     try:
         (conn,) = remote.conns
         for nested in (b"[" * 100_000 + b"]" * 100_000, b'{"n":' * 100_000 + b"1" + b"}" * 100_000):
@@ -262,7 +262,7 @@ def test_deeply_nested_json_is_an_error_and_the_server_goes_on(
         assert remote.plan(1, "r", 0, 2) == 7
     finally:
         conn.close()
-    again = _RemoteBooks(engine_id, 1, timeout_s=10)
+    again = RemoteBooks(engine_id, 1, timeout_s=10)
     try:
         assert again.sources("abc") == 3
     finally:
@@ -270,17 +270,17 @@ def test_deeply_nested_json_is_an_error_and_the_server_goes_on(
 
 
 def test_an_oversized_message_drops_only_its_connection(
-    served: tuple[str, _Stub, _BooksServer],
+    served: tuple[str, _Stub, BooksServer],
 ) -> None:
     engine_id, _, _ = served
-    remote = _RemoteBooks(engine_id, 1, timeout_s=10)
+    remote = RemoteBooks(engine_id, 1, timeout_s=10)
     (conn,) = remote.conns
     with conn:
         conn._send(b"\x7f\xff\xff\xff")  # type: ignore[attr-defined]  # a 2 GiB length, no body
         assert conn.poll(10)
         with pytest.raises(EOFError):
             conn.recv_bytes()
-    again = _RemoteBooks(engine_id, 1, timeout_s=10)
+    again = RemoteBooks(engine_id, 1, timeout_s=10)
     try:
         assert again.sources("ab") == 2
     finally:
@@ -288,7 +288,7 @@ def test_an_oversized_message_drops_only_its_connection(
 
 
 def test_a_silent_client_does_not_block_the_next(
-    served: tuple[str, _Stub, _BooksServer],
+    served: tuple[str, _Stub, BooksServer],
 ) -> None:
     """A client that connects and never answers the key challenge is dropped after
     ``challenge_timeout_s`` (0.2 s here); the scheduler connecting after it is served
@@ -298,14 +298,14 @@ def test_a_silent_client_does_not_block_the_next(
     answers: list[int] = []
 
     def ask() -> None:
-        remote = _RemoteBooks(engine_id, 1, timeout_s=10)
+        remote = RemoteBooks(engine_id, 1, timeout_s=10)
         try:
             answers.append(remote.sources("abcd"))
         finally:
             remote.conns[0].close()
 
     with socket.socket(socket.AF_UNIX) as silent:
-        silent.connect(_address(engine_id, 0))
+        silent.connect(socket_address(engine_id, 0))
         asker = threading.Thread(target=ask, daemon=True)
         asker.start()
         asker.join(10)
@@ -313,17 +313,17 @@ def test_a_silent_client_does_not_block_the_next(
 
 
 def test_a_second_server_with_the_same_engine_id_is_refused(
-    served: tuple[str, _Stub, _BooksServer],
+    served: tuple[str, _Stub, BooksServer],
 ) -> None:
     """Two engines given one engine id would share one socket path: the second is
     refused at start, naming the id, the path and the fix; the first keeps its socket
     and key. A socket file whose server is gone is replaced."""
     engine_id, _, first = served
-    key = _key_path(engine_id, 0).read_bytes()
+    key = key_file(engine_id, 0).read_bytes()
     with pytest.raises(ConfigError, match=f"{engine_id}.*{first.address}.*unique `engine_id`"):
-        _BooksServer(SimpleNamespace(answer=_Stub().answer), engine_id, 0)  # type: ignore[arg-type]
-    assert _key_path(engine_id, 0).read_bytes() == key
-    remote = _RemoteBooks(engine_id, 1, timeout_s=10)
+        BooksServer(SimpleNamespace(answer=_Stub().answer), engine_id, 0)  # type: ignore[arg-type]
+    assert key_file(engine_id, 0).read_bytes() == key
+    remote = RemoteBooks(engine_id, 1, timeout_s=10)
     try:
         assert remote.sources("abc") == 3
     finally:
@@ -332,9 +332,9 @@ def test_a_second_server_with_the_same_engine_id_is_refused(
     with socket.socket(socket.AF_UNIX) as dead:  # bound, never listening: a stale file
         dead.bind(first.address)
     assert Path(first.address).exists()
-    again = _BooksServer(SimpleNamespace(answer=_Stub().answer), engine_id, 0)  # type: ignore[arg-type]
+    again = BooksServer(SimpleNamespace(answer=_Stub().answer), engine_id, 0)  # type: ignore[arg-type]
     try:
-        remote = _RemoteBooks(engine_id, 1, timeout_s=10)
+        remote = RemoteBooks(engine_id, 1, timeout_s=10)
         assert remote.sources("ab") == 2
         remote.conns[0].close()
     finally:

@@ -27,9 +27,9 @@ pytest.importorskip("vllm")
 
 from kvoffload.connectors.vllm.events import (
     EventBlocks,
+    EventBook,
     KVEventTally,
     TieredOffloadKVEvents,
-    _EventBook,
 )
 from kvoffload.connectors.vllm.scheduler import TieredOffloadScheduler
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
@@ -54,7 +54,7 @@ class Rank:
             {"tiers": [{"name": "cpu", "backend": "cpu", "capacity": CPU_BLOCKS * BPB}]}, env={}
         )
         self.off = Offloader(config, LAYOUT, BlockPool.allocate(LAYOUT, POOL), events=True)
-        self.book = _EventBook(enabled=True, cap=2 * BLOCKS)
+        self.book = EventBook(enabled=True, cap=2 * BLOCKS)
         self.book.remember(self.keys, BLOCKS_OF_PROMPT)
         self.stored: set[Any] = set()
         """The hashes of the blocks this rank has stored."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvoffload.connectors.vllm.events import _EventBook
+from kvoffload.connectors.vllm.events import EventBook
 from kvoffload.connectors.vllm.groups import (
     FULL,
     MAMBA,
@@ -20,7 +20,7 @@ from kvoffload.connectors.vllm.groups import (
     refuse_unservable,
 )
 from kvoffload.connectors.vllm.groups import pool_from_vllm as pool_of
-from kvoffload.connectors.vllm.shared import _Shared
+from kvoffload.connectors.vllm.shared import Shared
 from support.blocks import BPB, LAYOUT, POOL, make_keys, make_offloader, store_and_settle
 
 from kvoffload.blockpool import BlockPool
@@ -107,17 +107,17 @@ def test_a_layer_not_laid_out_block_first_is_refused() -> None:
         pool_of({"a": kv_first[1], "b": kv_first.transpose(0, 1)})
 
 
-def _books() -> _Shared:
+def _books() -> Shared:
     pool = BlockPool.allocate(LAYOUT, POOL)
     off = make_offloader([{"name": "cpu", "backend": "cpu", "capacity": 64 * BPB}], pool)
     groups = [
         Group(0, FULL, None, b"|full", ()),
         Group(1, SLIDING, 2, b"|sliding", ()),
     ]
-    return _Shared(off, _EventBook(enabled=False, cap=0), b"ns", groups=groups)
+    return Shared(off, EventBook(enabled=False, cap=0), b"ns", groups=groups)
 
 
-def _store(shared: _Shared, keys: list[BlockKey], group: int, positions: range) -> None:
+def _store(shared: Shared, keys: list[BlockKey], group: int, positions: range) -> None:
     ids = [1 + p for p in positions]
     store_and_settle(shared.offloader, shared.ns([keys[p] for p in positions], group), ids)
 

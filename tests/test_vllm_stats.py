@@ -12,7 +12,7 @@ pytest.importorskip("vllm")
 from kvoffload.connectors.vllm import (
     TieredOffloadConnector,
     TieredOffloadStats,
-    _rank_affinity,
+    rank_affinity,
     rank_cpus,
 )
 
@@ -79,7 +79,7 @@ def test_threads_made_under_rank_affinity_get_more_than_the_bound_cpu(
     monkeypatch: pytest.MonkeyPatch, ranks: int
 ) -> None:
     """The thread that builds the Offloader is bound to one CPU (as vLLM binds its CPU
-    worker's main thread); threads made inside ``_rank_affinity`` run on every CPU the
+    worker's main thread); threads made inside ``rank_affinity`` run on every CPU the
     process may use (one rank) or on the rank's OpenMP CPUs (several), and the
     builder's own binding is restored after."""
     allowed = os.sched_getaffinity(0)
@@ -89,7 +89,7 @@ def test_threads_made_under_rank_affinity_get_more_than_the_bound_cpu(
 
     def builder() -> None:
         os.sched_setaffinity(0, {min(allowed)})
-        with _rank_affinity(ranks):
+        with rank_affinity(ranks):
             lane = threading.Thread(target=lambda: seen.update(lane=os.sched_getaffinity(0)))
             lane.start()
             lane.join()

@@ -163,7 +163,7 @@ class RedisBackend(Backend):
         """The client, created on first use (see :meth:`ServerLink.client`)."""
         return self._link.client()
 
-    def _run(
+    def run_batch(
         self, op: str, n: int, queue: Callable[[Any], None], *, wrong_type_ok: bool = False
     ) -> list[Any]:
         """A batch's commands, queued by ``queue(pipeline)``, sent as one pipeline; the
@@ -203,7 +203,7 @@ class RedisBackend(Backend):
                     # A memoryview of the packed value: sent as it is, never copied.
                     pipe.set(self.redis_key(key), buf[i, : lens[i]].data, ex=ttl)
 
-            self._run("write", len(key_list), queue)
+            self.run_batch("write", len(key_list), queue)
             with self._lock:
                 self._stored[list(slots)] = [v - HEADER_BYTES for v in lens]
             self.count_stored(
@@ -237,7 +237,7 @@ class RedisBackend(Backend):
         sink = ReadSink(out.numpy(), key_list, self.value_bytes, self.packer)
         self._sinks.active = sink
         try:
-            values = self._run("read", len(key_list), queue, wrong_type_ok=True)
+            values = self.run_batch("read", len(key_list), queue, wrong_type_ok=True)
         finally:
             self._sinks.active = None
         valid = self._verify(key_list, values, sink)
@@ -308,7 +308,7 @@ class RedisBackend(Backend):
             for key in key_list:
                 pipe.exists(self.redis_key(key))
 
-        return [bool(r) for r in self._run("lookup", len(key_list), queue)]
+        return [bool(r) for r in self.run_batch("lookup", len(key_list), queue)]
 
     def delete(self, keys: Sequence[BlockKey]) -> int:
         """Remove blocks from the server (one pipelined ``UNLINK`` per node, which frees
@@ -321,7 +321,7 @@ class RedisBackend(Backend):
             for key in key_list:
                 pipe.unlink(self.redis_key(key))
 
-        return sum(int(r) for r in self._run("delete", len(key_list), queue))
+        return sum(int(r) for r in self.run_batch("delete", len(key_list), queue))
 
     # -- maintenance: what the tools see of the server --------------------------------
     def scan(self, batch: int = SCAN_BATCH) -> Iterator[list[BlockKey]]:

@@ -143,6 +143,7 @@ __all__ = [
     "MAX_EVENT_HASHES",
     "PREFETCH_COUNTERS",
     "PROM_PREFIX",
+    "REGISTRY",
     "SUPPORTED",
     "TIER_STATS",
     "BlockHash",
@@ -158,11 +159,9 @@ __all__ = [
     "connector_counters",
     "connector_health",
     "layout_from_vllm",
+    "rank_affinity",
     "rank_cpus",
 ]
-# Importable from here under their former private names (the tests use them).
-_REGISTRY = REGISTRY
-_rank_affinity = rank_affinity
 
 
 class TieredOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]  # vLLM: Any

@@ -178,6 +178,3 @@ def refuse_if_served(address: str, engine_id: str, rank: int) -> None:
 
 
 # The names these had before (tests import them).
-_address = socket_address
-_key_path = key_file
-_private_dir = private_dir

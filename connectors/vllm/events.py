@@ -340,9 +340,6 @@ def _external_hash(block_hash: BlockHash) -> Any:
     return maybe_convert_block_hash(block_hash) if isinstance(block_hash, bytes) else block_hash
 
 
-_EventBook = EventBook
-"""The name it had before (tests import it)."""
-
 # Re-exported: how events travel between the roles (kept in their own module).
 from .event_tally import KVEventTally, TieredOffloadKVEvents  # noqa: E402
 

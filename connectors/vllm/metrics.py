@@ -208,7 +208,6 @@ def snapshot(shared: _Counted) -> dict[str, int | float]:
     return counts
 
 
-_snapshot = snapshot
 """The name it had before (tests import it)."""
 
 

@@ -317,5 +317,3 @@ class RemoteBooks:
 
 
 # The names these had before (tests import them).
-_BooksServer = BooksServer
-_RemoteBooks = RemoteBooks

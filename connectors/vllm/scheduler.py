@@ -43,7 +43,6 @@ logger = logging.getLogger(__name__)
 
 # The step's metadata was defined here: still importable from here.
 __all__ = ["TieredOffloadMetadata", "TieredOffloadScheduler"]
-_Store = Store
 
 
 class TieredOffloadScheduler:

@@ -336,9 +336,6 @@ REGISTRY: dict[str, Shared] = {}
 REGISTRY_LOCK = threading.Lock()
 
 # The names these had before (tests and test helpers import them).
-_REGISTRY = REGISTRY
-_REGISTRY_LOCK = REGISTRY_LOCK
-_Shared = Shared
 
 
 def registry_key(engine_id: str, rank: int) -> str:

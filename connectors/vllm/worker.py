@@ -108,15 +108,6 @@ class TieredOffloadWorker:
         )
         """The loads into the engine's KV cache (:mod:`.loads`)."""
 
-    # What may still touch the KV cache, read by tests/support/vllm033_walk.py.
-    @property
-    def _layer_loads(self) -> dict[int, Any]:
-        return self.loads.layer_loads
-
-    @property
-    def _background(self) -> dict[int, Any]:
-        return self.loads.background
-
     def _registered(self) -> Shared | None:
         """The worker side's state, ``None`` before ``register_kv_caches``. Read under
         the registry's lock: the scheduler side and shutdown change the registry from

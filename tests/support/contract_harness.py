@@ -49,7 +49,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import torch
 from kvoffload.connectors.vllm import (
-    _REGISTRY,
+    REGISTRY,
     TieredOffloadConnector,
     connector_counters,
     connector_health,
@@ -698,7 +698,7 @@ class Engine:
         deadline = time.monotonic() + self.IDLE_WAIT_S
         while True:
             health = connector_health()[self.engine_id]
-            shared = _REGISTRY[self.engine_id]
+            shared = REGISTRY[self.engine_id]
             with shared.lock:
                 resident = dict(shared.resident)
             left = {

@@ -458,17 +458,17 @@ def _worker_side(engine_id: str | None) -> Any:
     """This engine's connector state, when its worker side runs in this process."""
     from kvoffload.connectors.vllm import shared
 
-    with shared._REGISTRY_LOCK:
-        return shared._REGISTRY.get(engine_id or "")
+    with shared.REGISTRY_LOCK:
+        return shared.REGISTRY.get(engine_id or "")
 
 
 def _final_counters(worker_side: Any) -> dict[str, Any]:
     """The connector's counters once the engine has shut down: its Offloader closed
     after running every queued job, so what a test reads of stores does not depend on
     how far the lanes had got when the last round ended."""
-    from kvoffload.connectors.vllm.metrics import _snapshot
+    from kvoffload.connectors.vllm.metrics import snapshot as take_snapshot
 
-    counters: dict[str, Any] = _snapshot(worker_side)
+    counters: dict[str, Any] = take_snapshot(worker_side)
     return counters
 
 

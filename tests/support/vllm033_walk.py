@@ -371,8 +371,8 @@ class Walk:
         return {
             "store_gates": len(half._store_gates),
             "fences": len(half._fences),
-            "layer_loads": len(half._layer_loads),
-            "background": len(half._background),
+            "layer_loads": len(half.loads.layer_loads),
+            "background": len(half.loads.background),
         }
 
     # ------------------------------------------------------------------ phases
