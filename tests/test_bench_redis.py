@@ -15,7 +15,7 @@ import pytest
 from support.redisserver import RedisClusterProcs, RedisServer, require_redis
 
 from kvoffload.config import load_config
-from kvoffload.tools.bench import _disk_rows, _redis_rows
+from kvoffload.tools.bench import disk_rows, redis_rows
 from kvoffload.tools.bench.redis import bench_redis
 
 KIB = 1024
@@ -64,8 +64,8 @@ def test_bench_measures_redis_tier_against_raw(server: RedisServer) -> None:
     per block size."""
     config, _ = _tier(url=server.url())
     sizes = (256 * KIB, 2 * MIB)
-    assert _disk_rows(config, sizes, 4 * MIB, 1, None) == []
-    rows = _redis_rows(config, sizes, 4 * MIB, 1, None)
+    assert disk_rows(config, sizes, 4 * MIB, 1, None) == []
+    rows = redis_rows(config, sizes, 4 * MIB, 1, None)
     assert [r["block_bytes"] for r in rows] == [256 * KIB, 2 * MIB]
     for row in rows:
         assert row["tier"] == "shared"

@@ -18,15 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvoffload.tools.bench.tiers import (
-        _NO_CHAIN,
         BATCH_BYTES,
         BLOCK_SIZES,
         VLLM_THREADS,
-        _chain_part,
-        _disk_rows,
-        _manager_part,
-        _redis_rows,
         bench_tier,
+        disk_rows,
+        redis_rows,
         run_bench,
         vllm_fs,
     )
@@ -35,12 +32,9 @@ __all__ = [
     "BATCH_BYTES",
     "BLOCK_SIZES",
     "VLLM_THREADS",
-    "_NO_CHAIN",
-    "_chain_part",
-    "_disk_rows",
-    "_manager_part",
-    "_redis_rows",
     "bench_tier",
+    "disk_rows",
+    "redis_rows",
     "run_bench",
     "vllm_fs",
 ]

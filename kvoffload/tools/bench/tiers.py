@@ -247,9 +247,9 @@ def run_bench(
     report.update(bench_cpu(total_bytes=cpu_total_bytes, repeat=reps))
     report["data"] = data_kind
     report["tiers"] = (
-        _disk_rows(config, sizes, total_bytes, reps, progress, data_kind) if disk else []
+        disk_rows(config, sizes, total_bytes, reps, progress, data_kind) if disk else []
     )
-    report["redis"] = _redis_rows(config, sizes, total_bytes, reps, progress) if disk else []
+    report["redis"] = redis_rows(config, sizes, total_bytes, reps, progress) if disk else []
     report.update(_chain_part(config, total_bytes, progress) if disk else _NO_CHAIN)
     return report
 
@@ -281,7 +281,7 @@ def _manager_part(
     return bench_manager(trace, capacity=capacity, reps=reps)
 
 
-def _disk_rows(
+def disk_rows(
     config: KVOffloadConfig,
     sizes: Sequence[int],
     total_bytes: int,
@@ -292,7 +292,7 @@ def _disk_rows(
     rows = []
     for tier in config.resolved_tiers():
         cls = get_backend_class(tier.backend)
-        if not cls.persistent or cls.server_booked:  # a shared server: see _redis_rows
+        if not cls.persistent or cls.server_booked:  # a shared server: see redis_rows
             continue
         for size in sizes:
             if progress is not None:
@@ -307,7 +307,7 @@ def _disk_rows(
     return rows
 
 
-def _redis_rows(
+def redis_rows(
     config: KVOffloadConfig,
     sizes: Sequence[int],
     total_bytes: int,
