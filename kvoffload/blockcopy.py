@@ -10,7 +10,7 @@ rows.
 
 On the host, copies are bound by memory bandwidth, and two things decide whether they
 reach it. Figures: ratios to a plain ``dst.copy_(src)`` of the same bytes (torch, two
-threads), ``kvoffload/tools/bench_cpu.py`` on a 2-core VM, blocks of 64 KiB-2 MiB drawn at
+threads), ``kvoffload/tools/bench/cpu.py`` on a 2-core VM, blocks of 64 KiB-2 MiB drawn at
 random from a pool twice the batch, best of 7; *idle*: nothing else running, *loaded*:
 another process spinning on one core.
 

@@ -61,7 +61,7 @@ READABLE_VERSIONS: Final = (1, 2)
 HEADER_BYTES: Final = 128
 FLAG_EXTENT: Final = 1
 """``flags`` bit: a packed slab's record, whose ``wtime`` is its extent's first page
-(backends/mmap_extents.py). The header CRC covers it like any field, so a torn or
+(backends/mmap/extents.py). The header CRC covers it like any field, so a torn or
 flipped placement is never trusted."""
 
 HEADER_DTYPE: Final = np.dtype(

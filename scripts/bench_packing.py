@@ -1,7 +1,7 @@
 """What packing compressed blocks into page extents buys an mmap tier (issue 33).
 
 Why: a compressed tier with fixed full-size slots stores fewer bytes per block but
-holds no more blocks. The packed slab (``backends/mmap_extents.py``) puts each block
+holds no more blocks. The packed slab (``backends/mmap/extents.py``) puts each block
 in an extent of its stored pages, so the same ``capacity`` should hold more blocks;
 this measures how many more, what fragmentation costs after a long churn with mixed
 ratios, and whether loads keep their speed.

@@ -32,7 +32,7 @@ class TestEveryInstalledBackend(BackendContract):
 
 class TestPackedMmap(BackendContract):
     """The contract over a packed ``mmap`` slab (compressed: each block in an extent of
-    its stored pages, backends/mmap_extents.py), with O_DIRECT where the filesystem
+    its stored pages, backends/mmap/extents.py), with O_DIRECT where the filesystem
     allows it and with buffered I/O."""
 
     @pytest.fixture(params=["zstd", "lz4-buffered"])

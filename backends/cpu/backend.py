@@ -6,7 +6,7 @@ start-up, never per block. Reads and writes are one vectorised ``index_select`` 
 ``index_copy_`` per batch: no Python object per block. Both go through the slab viewed
 as rows of 16-byte elements where the block size allows: ``index_copy_`` copies element
 by element, and over int64 rows a batched write ran at 0.55x of a plain copy of the same
-bytes, over 16-byte elements at 0.85-0.9x (``kvoffload/tools/bench_cpu.py``).
+bytes, over 16-byte elements at 0.85-0.9x (``kvoffload/tools/bench/cpu.py``).
 
 Large host batches also choose, like :mod:`kvoffload.blockpool`'s gather and scatter,
 between that one op (torch's OpenMP threads) and the same copy cut into numpy calls that

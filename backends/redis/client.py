@@ -122,7 +122,7 @@ def make_client(cfg: RedisTierConfig, sinks: Sinks, tally: Tally | None = None) 
     (:data:`SOCKET_READ_BYTES`), zero-copy packing (:data:`_ZERO_COPY_PACKER`), the
     values of the read ``sinks`` holds received straight into its rows, requests
     counted in ``tally``, and the tier's timeouts and retry. The tier's own client, and
-    the benchmark's tuned raw loop (:mod:`kvoffload.tools.bench_redis`), so that the
+    the benchmark's tuned raw loop (:mod:`kvoffload.tools.bench.redis`), so that the
     loop the tier is measured against has the same client settings."""
     tls = cfg.url is not None and cfg.url.startswith("rediss://")
     kwargs: dict[str, Any] = {
