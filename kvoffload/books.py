@@ -376,7 +376,7 @@ class Books:
 
     def pull(self, io: Sequence[Mapping[str, int]], capacity_bytes: Sequence[int]) -> None:
         """Bring the stats up to date with what the backends count themselves (each
-        tier's :meth:`~kvoffload.backend.Backend.io_counters`, read by the caller
+        tier's :meth:`~kvoffload.backend.Backend.stats` counters, read by the caller
         outside the lock) and with what each tier holds now."""
         with self.lock:
             self._pull(io, capacity_bytes)

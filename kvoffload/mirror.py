@@ -2,7 +2,7 @@
 
 A tier's :class:`~kvoffload.plans.TierStats` are counted by the books as they settle
 jobs, except two kinds of field: the counters the backend keeps itself (round trips,
-server errors, stored bytes: :meth:`~kvoffload.backend.Backend.io_counters`) and the
+server errors, stored bytes: :attr:`~kvoffload.backend.BackendStats.counters`) and the
 gauges of what the tier holds now (:func:`~kvoffload.metrics.tier_state`). Those are
 copied in one way, backend to stats, when the stats are read (:meth:`Books.counters
 <kvoffload.books.Books.counters>`), under the books' lock; the backends' own counts

@@ -120,8 +120,8 @@ def disk_round(
                 be.write(slots[lo : lo + per], keys[lo : lo + per], data[lo : lo + per])
 
         store_s = timed(store)
-        footprint = be.footprint()
-        packed = be.codec_stats()
+        footprint = be.stats().held
+        packed = be.stats().codec
     finally:
         be.close()
     dropped = drop_page_cache()
@@ -138,7 +138,7 @@ def disk_round(
             return got
 
         load_s, valid = timed_result(load)
-        unpacked = be.codec_stats()
+        unpacked = be.stats().codec
     finally:
         be.close()
     shutil.rmtree(path, ignore_errors=True)

@@ -293,7 +293,7 @@ def run_codec(
         store_s = time.perf_counter() - t0
         manager, backend = tier.manager, tier.backend
         held = len(manager.held_keys())
-        footprint = backend.footprint()
+        footprint = backend.stats().held
         logical, stored_bytes = footprint if footprint is not None else (held * bpb, held * bpb)
         space = getattr(backend, "space", None)
         used_bytes = (

@@ -76,7 +76,7 @@ def reopen(
             tier.manager.complete_store(plan.keys_to_store)
 
     fill_s = timed(fill)
-    footprint = tier.backend.footprint()
+    footprint = tier.backend.stats().held
     tier.close()
     dropped = drop_page_cache()
     reopen_s, (tier,) = timed_result(lambda: build_tiers(config, layout))

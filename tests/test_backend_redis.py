@@ -364,7 +364,7 @@ def test_scan_lists_this_layouts_keys_on_every_master(
     assert info["maxmemory_policy"] == "allkeys-lru"
     assert info["used_memory"] > 150 * LAYOUT.bytes_per_block
     assert info["key_prefix"] == be.redis_config.key_prefix
-    assert be.io_counters()["round_trips"] == be.round_trips
+    assert be.stats().counters["round_trips"] == be.round_trips
 
 
 def test_ttl_is_honoured(standalone: Deployment, make: Callable[..., RedisBackend]) -> None:

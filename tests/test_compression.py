@@ -111,7 +111,7 @@ def test_kv_like_blocks_shrink_and_load_bit_exact(make: Make) -> None:
     slots = be.allocate(8)
     assert slots is not None
     be.write(slots, keys, data)
-    logical, stored = be.footprint()  # type: ignore[misc]
+    logical, stored = be.stats().held  # type: ignore[misc]
     assert logical == 8 * LAYOUT.bytes_per_block
     assert stored < 0.9 * logical  # normal bf16 values: their high bytes compress
     valid, out = _read(be, slots[::-1], keys[::-1])
@@ -125,7 +125,7 @@ def test_blocks_that_do_not_shrink_are_stored_raw(make: Make) -> None:
     slots = be.allocate(4)
     assert slots is not None
     be.write(slots, keys, data)
-    assert be.footprint() == (4 * LAYOUT.bytes_per_block,) * 2
+    assert be.stats().held == (4 * LAYOUT.bytes_per_block,) * 2
     valid, out = _read(be, slots, keys)
     assert valid == [True] * 4
     assert torch.equal(out, data)
@@ -137,7 +137,7 @@ def test_fp8_blocks_compress_with_a_one_byte_shuffle(make: Make) -> None:
     slots = be.allocate(4)
     assert slots is not None
     be.write(slots, keys, data)
-    logical, stored = be.footprint()  # type: ignore[misc]
+    logical, stored = be.stats().held  # type: ignore[misc]
     assert stored < logical
     valid, out = _read(be, slots, keys)
     assert valid == [True] * 4

@@ -144,7 +144,7 @@ def test_kill_9_during_stores_loses_nothing_acknowledged_and_serves_nothing_corr
                 assert (tier.manager.byte_budget, tier.manager.full_charge) == (
                     tier.backend.budget()
                 )
-                logical, stored = tier.backend.footprint() or (0, 0)
+                logical, stored = tier.backend.stats().held or (0, 0)
                 assert 0 < stored < logical
                 assert sorted(set(space.pages[space.pages > 0].tolist())) == extent_pages
             held = {k.hex() for k, _ in tier.manager.policy.items()}

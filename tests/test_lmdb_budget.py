@@ -110,7 +110,9 @@ def test_a_zstd_tier_holds_more_blocks_in_the_same_capacity(
             assert backend.num_slots == PACKING * FULL
             assert len(held) > 1.2 * FULL
             assert records == len(held)
-            logical, stored = backend.footprint()
+            footprint = backend.stats().held
+            assert footprint is not None
+            logical, stored = footprint
             assert logical == len(held) * BPB
             assert manager.bytes_held == stored + len(held) * HEADER_BYTES <= FULL * SLOT
             assert all(HEADER_BYTES < c < SLOT for c in _charges(manager, held).values())
@@ -183,7 +185,9 @@ def test_freeing_a_budgeted_slot_deletes_its_record(tmp_path: Path) -> None:
     assert be.num_slots == 4 * PACKING
     sizes = be.write(slots, keys[:6], torch.stack([_content(k) for k in keys[:6]]))
     assert sizes is not None
-    _, stored = be.footprint()
+    held = be.stats().held
+    assert held is not None
+    _, stored = held
     assert sum(sizes) == stored + 6 * HEADER_BYTES
     assert max(sizes) < SLOT
     assert be.entries() == 6

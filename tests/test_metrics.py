@@ -84,11 +84,12 @@ def test_tier_stats_are_the_declared_counters_plus_latency_samples() -> None:
     assert all(type(v) is TIER_METRIC[k].type for k, v in tier_values(stats).items())
 
 
-def test_backend_counted_metrics_reach_the_stats_from_io_counters(
+def test_backend_counted_metrics_reach_the_stats_from_its_stats(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The counters a backend keeps itself (``source="backend"``) are copied from its
-    ``io_counters`` whenever the stats are read; names it does not declare are not."""
+    ``stats().counters`` whenever the stats are read; names it does not declare are not."""
+    from kvoffload.backend import BackendStats
     from kvoffload.config import load_config
     from kvoffload.layout import KVLayout
     from kvoffload.metrics import BACKEND_METRICS
@@ -100,7 +101,7 @@ def test_backend_counted_metrics_reach_the_stats_from_io_counters(
     with offloader.Offloader(config, layout) as off:
         assert off.counters()[0]["cpu"]["round_trips"] == 0  # a local medium: none
         io = {"round_trips": 7, "server_errors": 2, "hits": 99, "bogus": 1}
-        monkeypatch.setattr(off.tiers[0].backend, "io_counters", lambda: dict(io))
+        monkeypatch.setattr(off.tiers[0].backend, "stats", lambda: BackendStats(dict(io)))
         tiers, _ = off.counters()
         assert (tiers["cpu"]["round_trips"], tiers["cpu"]["server_errors"]) == (7, 2)
         assert tiers["cpu"]["hits"] == 0  # the books' counters are the books'

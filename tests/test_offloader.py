@@ -301,7 +301,7 @@ def test_no_backend_call_runs_under_the_books_lock(tmp_path: Path, pool: BlockPo
     with make_offloader(tiers, pool) as off:
         calls: list[tuple[str, str, bool]] = []
         for tier in off.tiers:
-            for name in ("read", "write", "discard", "io_counters"):
+            for name in ("read", "write", "discard", "stats"):
                 real = getattr(tier.backend, name)
 
                 def checked(*args: Any, _real: Any = real, _call: Any = (tier.name, name)) -> Any:

@@ -101,7 +101,7 @@ def tiers_report(offloader: Offloader, view: BooksView) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for tier, blocks in zip(offloader.tiers, view.blocks(), strict=True):
         values = counters[tier.name]
-        footprint = tier.backend.footprint() if blocks is not None else None
+        footprint = tier.backend.stats().held if blocks is not None else None
         if blocks is not None and footprint is None:
             footprint = (blocks * bpb, blocks * bpb)  # stored as given: raw bytes
         hits, misses = values["hits"], values["misses"]

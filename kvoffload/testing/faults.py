@@ -30,8 +30,7 @@ from typing import ClassVar
 
 import torch
 
-from kvoffload.backend import Backend, RecoveredBlock
-from kvoffload.codec import CodecStats
+from kvoffload.backend import Backend, BackendStats, RecoveredBlock
 from kvoffload.exceptions import BackendError
 from kvoffload.keys import BlockKey
 
@@ -137,14 +136,8 @@ class FaultyBackend(Backend):
     def check(self) -> list[str]:
         return self.inner.check()
 
-    def io_counters(self) -> dict[str, int]:
-        return self.inner.io_counters()
-
-    def footprint(self) -> tuple[int, int] | None:
-        return self.inner.footprint()
-
-    def codec_stats(self) -> CodecStats | None:
-        return self.inner.codec_stats()
+    def stats(self) -> BackendStats:
+        return self.inner.stats()
 
     def close(self) -> None:
         self.inner.close()

@@ -168,7 +168,7 @@ def bench_tier(
                 hi = min(n, lo + per_batch)
                 backend.write(slots[lo:hi], keys[lo:hi], data[lo:hi])
             store_s.append(time.perf_counter() - start)
-            footprint = backend.footprint()
+            footprint = backend.stats().held
         finally:
             backend.close()
         # Loads as after a restart: closed, page cache dropped, reopened. A backend left
@@ -186,7 +186,7 @@ def bench_tier(
                 hi = min(n, lo + per_batch)
                 valid += backend.read(slots[lo:hi], keys[lo:hi], out[lo:hi])
             load_s.append(time.perf_counter() - start)
-            codec = backend.codec_stats()  # this rep's load: decompression only
+            codec = backend.stats().codec  # this rep's load: decompression only
         finally:
             backend.close()
         if not all(valid) or not torch.equal(out, data):
