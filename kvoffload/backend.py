@@ -100,14 +100,15 @@ class Backend(ABC):
 
     def count_stored(self, logical: int, stored: int) -> None:
         """Count a completed write of ``logical`` bytes that took ``stored`` bytes,
-        for a backend that may compress (:meth:`stored_counters`). Thread-safe."""
+        for a backend that may compress (its :meth:`stats` reports
+        :meth:`stored_counters`). Thread-safe."""
         with self._packed_lock:
             self._packed[0] += logical
             self._packed[1] += stored
 
     def stored_counters(self) -> dict[str, int]:
         """``logical_bytes`` and ``stored_bytes`` counted by :meth:`count_stored`, for a
-        compressing backend's :meth:`io_counters`."""
+        compressing backend's :attr:`BackendStats.counters`."""
         with self._packed_lock:
             return {"logical_bytes": self._packed[0], "stored_bytes": self._packed[1]}
 
@@ -150,19 +151,6 @@ class Backend(ABC):
     @property
     def capacity_bytes(self) -> int:
         return self.num_slots * self.slot_bytes(self.layout)
-
-    def codec_stats(self) -> CodecStats | None:
-        """What this tier's codec did so far (its ``compression`` setting); ``None``
-        for a backend that never compresses."""
-        return None
-
-    def footprint(self) -> tuple[int, int] | None:
-        """``(logical_bytes, stored_bytes)``: payload bytes of the blocks this tier
-        holds as the engine gave them, and as they sit in the tier (less when
-        compressed). ``None``: the backend keeps no count (the tier then reports its
-        manager's blocks times ``bytes_per_block`` for both). Thread-safe; cheap
-        enough for a metrics scrape, not for every batch."""
-        return None
 
     @final
     def allocate(self, n: int) -> list[int] | None:
@@ -244,24 +232,20 @@ class Backend(ABC):
         the manager and need not answer."""
         raise NotImplementedError(f"{type(self).__name__} keeps no books of its own")
 
-    def io_counters(self) -> dict[str, int]:
-        """What only the medium sees, as totals since the backend opened, by tier
-        counter name: the counters of :data:`~kvoffload.metrics.TIER_METRICS` declared
-        with ``source="backend"`` (``round_trips``, ``server_errors``); other names are
-        ignored. The Offloader copies them into the tier's stats each time those are
-        read (every stats poll, under the books' lock), so this must be a few attribute
-        reads: no I/O, no lock held for long. Default: none (they read 0, but for
-        ``logical_bytes`` and ``stored_bytes``, which then both read the books'
-        ``bytes_written``: a backend that does not say it compresses stores raw)."""
-        return {}
-
     def stats(self) -> BackendStats:
         """Everything the backend counts itself, in one snapshot (:class:`BackendStats`).
-        Read whenever the tier's stats are (every stats poll, under the books' lock) and
-        by the tools' reports, so it must be a few attribute reads: no I/O, no lock held
-        for long. The default assembles :meth:`io_counters`, :meth:`codec_stats` and
-        :meth:`footprint`, the hooks a backend written before this method overrides."""
-        return BackendStats(self.io_counters(), self.codec_stats(), self.footprint())
+        Read whenever the tier's stats are (every stats poll) and by the tools' reports,
+        so it must be a few attribute reads: no I/O, no lock held for long. A backend
+        that counts overrides it; the default says what :meth:`count_stored` counted
+        (nothing, for a backend that never calls it).
+
+        Deprecated, kept for backends written before this method: their
+        ``io_counters()``, ``codec_stats()`` and ``footprint()`` are still read here,
+        in those fields' place."""
+        counters: dict[str, int] = self.stored_counters() if self._packed[0] else {}
+        legacy = [getattr(self, n, None) for n in ("io_counters", "codec_stats", "footprint")]
+        io, codec, held = (hook() if callable(hook) else None for hook in legacy)
+        return BackendStats({**counters, **(io or {})}, codec, held)
 
     def check(self) -> list[str]:
         """Consistency problems found (empty when consistent)."""

@@ -53,8 +53,8 @@ from kvoffload.backends.lmdb.writer import PACK_BUFFERS as PACK_BUFFERS
 from kvoffload.backends.lmdb.writer import PACK_CHUNK_BYTES as PACK_CHUNK_BYTES
 from kvoffload.backends.lmdb.writer import BatchWriter, delete_released, delete_slots
 
-from kvoffload.backend import Backend, RecoveredBlock
-from kvoffload.codec import CodecStats, Packer, codec_named
+from kvoffload.backend import Backend, BackendStats, RecoveredBlock
+from kvoffload.codec import Packer, codec_named
 from kvoffload.config import LmdbTierConfig, TierConfig
 from kvoffload.dirlock import lock_tier_dir
 from kvoffload.exceptions import BackendError, BlockStateError, ConfigError
@@ -313,11 +313,12 @@ class LmdbBackend(Backend):
         self.count_stored(len(stored) * self.layout.bytes_per_block, sum(stored))
         return [HEADER_BYTES + n for n in stored] if self._compressed() else None
 
-    def io_counters(self) -> dict[str, int]:
-        return self.stored_counters()
-
-    def codec_stats(self) -> CodecStats:
-        return self.packer.stats()
+    def stats(self) -> BackendStats:
+        """The stored bytes, the codec's figures, and the logical and stored payload
+        bytes of the records this process maps (a freed slot's record stays in the map,
+        intact, until the slot is reused)."""
+        held = self._records.footprint(self.layout.bytes_per_block)
+        return BackendStats(self.stored_counters(), self.packer.stats(), held)
 
     def read(self, slots: Sequence[int], keys: Sequence[BlockKey], dst: torch.Tensor) -> list[bool]:
         self.check_batch(slots, keys, dst)
@@ -389,11 +390,6 @@ class LmdbBackend(Backend):
             return
         slot_list = list(slots)
         self._on_writer(lambda h: delete_slots(h, self._records, slot_list))
-
-    def footprint(self) -> tuple[int, int]:
-        """Logical and stored payload bytes of the records this process maps (a freed
-        slot's record stays in the map, intact, until the slot is reused)."""
-        return self._records.footprint(self.layout.bytes_per_block)
 
     # -- consistency and shutdown -------------------------------------------------
     def check(self) -> list[str]:

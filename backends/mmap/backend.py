@@ -53,8 +53,8 @@ from kvoffload.backends.mmap.files import SlabFile, align_up, aligned_buffer, pr
 from kvoffload.backends.mmap.packed import PackedSlab
 from kvoffload.backends.mmap.recovery import PACKING as PACKING
 
-from kvoffload.backend import RecoveredBlock
-from kvoffload.codec import CodecStats, Packer, codec_named
+from kvoffload.backend import BackendStats, RecoveredBlock
+from kvoffload.codec import Packer, codec_named
 from kvoffload.config import MmapTierConfig, TierConfig
 from kvoffload.dirlock import lock_tier_dir
 from kvoffload.keys import BlockKey
@@ -347,22 +347,18 @@ class MmapBackend(PackedSlab):
     def discard(self, slots: Sequence[int]) -> None:
         self._clear_headers(list(slots))
 
-    def io_counters(self) -> dict[str, int]:
-        return self.stored_counters()
-
-    def codec_stats(self) -> CodecStats:
-        return self.packer.stats()
-
-    def footprint(self) -> tuple[int, int]:
-        """Logical and stored payload bytes of the blocks the header tables describe
-        (a compressed block's slot holds its stored bytes and an unused tail)."""
+    def stats(self) -> BackendStats:
+        """The stored bytes, the codec's figures, and the logical and stored payload
+        bytes of the blocks the header tables describe (a compressed block's slot holds
+        its stored bytes and an unused tail)."""
         count = stored = 0
         with self._lock:
             for f in self.files:
                 used = f.headers[f.headers["magic"] == MAGIC]
                 count += len(used)
                 stored += int(stored_lengths(used).sum())
-        return count * self.payload_bytes, stored
+        held = count * self.payload_bytes, stored
+        return BackendStats(self.stored_counters(), self.packer.stats(), held)
 
     def check(self) -> list[str]:
         problems = super().check()

@@ -58,8 +58,8 @@ from kvoffload.backends.redis.read import ReadSink, Sinks, Sunk
 from kvoffload.backends.redis.settings import RedisTierConfig as RedisTierConfig
 from redis.cluster import RedisCluster
 
-from kvoffload.backend import Backend
-from kvoffload.codec import CodecStats, Packer, codec_named
+from kvoffload.backend import Backend, BackendStats
+from kvoffload.codec import Packer, codec_named
 from kvoffload.config import TierConfig
 from kvoffload.exceptions import ConfigError
 from kvoffload.hostcopy import Buffers
@@ -143,17 +143,20 @@ class RedisBackend(Backend):
         """Batches that raised :class:`BackendError` (server or connection errors)."""
         return self._link.failed_batches
 
-    def io_counters(self) -> dict[str, int]:
+    def stats(self) -> BackendStats:
         """The tier's ``round_trips`` (:attr:`round_trips`) and ``server_errors``
-        (:attr:`failed_batches`), for the Offloader's stats; two reads, no I/O."""
-        return {
+        (:attr:`failed_batches`) with the stored bytes, the codec's figures, and what
+        this client wrote into the slots it holds (the server may have evicted some
+        since: it keeps the books); a few reads, no I/O."""
+        counters = {
             "round_trips": self._link.tally.value,
             "server_errors": self.failed_batches,
             **self.stored_counters(),
         }
-
-    def codec_stats(self) -> CodecStats:
-        return self.packer.stats()
+        with self._lock:
+            held = self._stored[self._stored > 0]
+            footprint = len(held) * self.layout.bytes_per_block, int(held.sum())
+        return BackendStats(counters, self.packer.stats(), footprint)
 
     def redis_key(self, key: bytes) -> bytes:
         """The server-side key of block ``key`` under this tier's prefix and layout."""
@@ -211,13 +214,6 @@ class RedisBackend(Backend):
             )
         finally:
             self._buffers.release(held)
-
-    def footprint(self) -> tuple[int, int]:
-        """Logical and stored payload bytes of what this client wrote into the slots it
-        holds: the server may have evicted some since (it keeps the books)."""
-        with self._lock:
-            held = self._stored[self._stored > 0]
-            return len(held) * self.layout.bytes_per_block, int(held.sum())
 
     def read(self, slots: Sequence[int], keys: Sequence[BlockKey], dst: torch.Tensor) -> list[bool]:
         self.check_batch(slots, keys, dst)

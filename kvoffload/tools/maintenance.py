@@ -90,7 +90,7 @@ def inspect_tiers(config: KVOffloadConfig) -> dict[str, dict[str, Any]]:
         with open_existing(tier, layout) as backend:
             blocks = backend.recover()
             atimes = [b.atime for b in blocks]
-            logical, stored = backend.footprint() or (len(blocks) * layout.bytes_per_block,) * 2
+            logical, stored = backend.stats().held or (len(blocks) * layout.bytes_per_block,) * 2
             report[tier.name] = {
                 "backend": tier.backend,
                 "persistent": True,

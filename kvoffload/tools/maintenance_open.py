@@ -57,10 +57,8 @@ def server_store(backend: Backend) -> ServerStore:
 
 def tier_layout(tier: TierConfig, config: KVOffloadConfig) -> KVLayout:
     """The layout the tier's data was written under, or the config's stress layout."""
-    cls = get_backend_class(tier.backend)
-    stored = getattr(cls, "stored_layout", None)
-    layout = stored(tier) if stored is not None else None
-    return layout if isinstance(layout, KVLayout) else layout_from_config(config)
+    layout = get_backend_class(tier.backend).stored_layout(tier)
+    return layout if layout is not None else layout_from_config(config)
 
 
 def persistent_tiers(config: KVOffloadConfig, name: str | None) -> list[TierConfig]:
@@ -89,8 +87,7 @@ def open_existing(tier: TierConfig, layout: KVLayout, *, write: bool = False) ->
             f"tier {tier.name!r}: nothing written at path = {getattr(tier, 'path', '?')!r} yet"
         )
     backend = cls(existing, layout)
-    if hasattr(backend, "record_access"):
-        backend.record_access = False  # a scan is not a use: keep the LRU order
+    backend.record_access = False  # a scan is not a use: keep the LRU order
     try:
         yield backend
     finally:

@@ -197,9 +197,8 @@ def import_snapshot(
     tier = tiers[0]
     layout = check_snapshot(src)  # the whole file, before any tier is opened
     with safe_open(str(src), framework="pt") as snap:
-        stored = getattr(get_backend_class(tier.backend), "stored_layout", None)
-        have = stored(tier) if stored is not None else None
-        if isinstance(have, KVLayout) and have.fingerprint != layout.fingerprint:
+        have = get_backend_class(tier.backend).stored_layout(tier)
+        if have is not None and have.fingerprint != layout.fingerprint:
             raise LayoutMismatchError(
                 f"{src}: snapshot layout {layout.to_dict()} does not match tier "
                 f"{tier.name!r}'s layout {have.to_dict()}; import it into a tier of that "

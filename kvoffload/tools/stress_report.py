@@ -95,8 +95,9 @@ class TierReport(TierCounters):
         """The report of a tier's counters over a run of ``seconds``, with what its
         ``backend`` says of its compression, footprint and capacity, and the
         ``blocks_held`` by its books at the end (``None``: a shared server's tier)."""
-        codec = None if backend is None else backend.codec_stats()
-        held = None if backend is None else backend.footprint()
+        figures = None if backend is None else backend.stats()
+        codec = None if figures is None else figures.codec
+        held = None if figures is None else figures.held
         counters = tier_fields(s)
         if backend is not None:  # what the tier holds now, read from it (TIER_STATE)
             counters |= tier_state(blocks_held, backend.capacity_bytes)
