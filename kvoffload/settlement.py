@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import KW_ONLY, dataclass
 
 from kvoffload.breaker import Breakers
 from kvoffload.cascade import Cascade
@@ -36,27 +37,21 @@ from kvoffload.plans import (
 from kvoffload.withheld import Withheld
 
 
+@dataclass(eq=False, repr=False)
 class Settlement:
-    """Settles outcomes into the books' parts (see the module docstring)."""
+    """Settles outcomes into the books' parts (see the module docstring). It only
+    holds references to the books' own parts, hence a plain record of them (compared
+    by identity and shown as an object, as before)."""
 
-    def __init__(
-        self,
-        managers: Sequence[OffloadingManager],
-        stats: Sequence[TierStats],
-        bytes_per_block: int,
-        *,
-        breakers: Breakers,
-        cascade: Cascade,
-        claims: Claims,
-        withheld: Withheld,
-    ) -> None:
-        self.managers = managers
-        self.stats = stats
-        self.bpb = bytes_per_block
-        self.breakers = breakers
-        self.cascade = cascade
-        self.claims = claims
-        self.withheld = withheld
+    managers: Sequence[OffloadingManager]
+    stats: Sequence[TierStats]
+    bpb: int
+    """Bytes per block: what a block read or written adds to the byte counters."""
+    _: KW_ONLY
+    breakers: Breakers
+    cascade: Cascade
+    claims: Claims
+    withheld: Withheld
 
     def apply(self, tally: Tally) -> None:
         """A job's I/O into the counters and the breakers."""
