@@ -39,8 +39,8 @@ $(VENV)/.dev: $(VENV)/.base tests/plugin_dist/pyproject.toml tests/plugin_dist/k
 	touch $@
 
 # vLLM 0.33 (the CUDA build `pip install vllm` gives a GPU user) beside .venv's 0.32 CPU
-# build, for tests/test_vllm033.py: its Python code alone, in a folder a child interpreter
-# puts first on PYTHONPATH (tests/support/vllm033.py). Its scheduler and connector API
+# build, for tests/connector/test_vllm033.py: its Python code alone, in a folder a child
+# interpreter puts first on PYTHONPATH (tests/support/vllm033.py). Its scheduler and connector API
 # import with .venv's packages (torch 2.13 included); its CUDA kernels never load here.
 $(VENV)/.vllm033: $(VENV)/.dev
 	rm -rf $(VENV)/vllm033

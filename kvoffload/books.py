@@ -14,7 +14,7 @@ decides comes out as *orders* (a :class:`Write` into a tier, a :class:`LoadPlan`
 back to :meth:`Books.settle`, which books it in one transaction and returns the next
 orders. Data flows one way: books -> orders -> jobs -> outcomes -> books; a job never
 calls in here. So cascade and admission can be tested on plain keys, with no thread
-and no tensor (``tests/test_books.py``), and a job takes the lock twice: once planned,
+and no tensor (``tests/core/test_books.py``), and a job takes the lock twice: once planned,
 once settled.
 
 Every public method takes the lock itself, and is one transaction. No backend is

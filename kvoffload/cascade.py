@@ -45,7 +45,7 @@ def hit_counts_bound(capacities: Sequence[int]) -> int:
     keys are long gone from every tier. Every distinct block loaded adds an entry (~150
     bytes with its key), so a flat 2^20 cap (~150 MiB) let a long run's memory grow
     linearly for hours: about 2 MiB a minute under ``kvoffload stress``'s multi-turn
-    soak (tests/test_soak.py), whose tiers hold 320 blocks."""
+    soak (tests/tools/test_soak.py), whose tiers hold 320 blocks."""
     return min(HIT_COUNTS, max(HIT_COUNTS_MIN, HIT_COUNTS_PER_BLOCK * sum(capacities)))
 
 

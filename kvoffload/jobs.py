@@ -9,7 +9,7 @@ orders may take over. It never calls the books: the order carries everything it 
 and the facade (:mod:`kvoffload.offloader`) hands the outcome to ``Books.settle`` and
 queues the orders that come back (:meth:`Jobs.stage` cuts their bytes out of the
 outcome's buffers). So a job runs, and is tested, on real tiers and a real pool with
-no books at all (``tests/test_jobs.py``). It holds no state of its own beyond
+no books at all (``tests/core/test_jobs.py``). It holds no state of its own beyond
 references to those parts, and :class:`~kvoffload.inflight.LoadsInFlight`, through
 which copies into a persistent tier let the engine's loads go first; cutting the
 buffers the next orders take over is :mod:`kvoffload.staging`'s.

@@ -8,7 +8,7 @@ one), header-table pages with ``pwrite``, ``fdatasync``. What the bytes mean (he
 extents, recovery) is for the modules above it.
 
 Every system call on a slab file is made here, through this module's ``os``: the
-packed crash test records each write by replacing it (tests/test_packed_crash.py).
+packed crash test records each write by replacing it (tests/backends/test_packed_crash.py).
 """
 
 from __future__ import annotations

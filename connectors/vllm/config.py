@@ -26,13 +26,13 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED: Final = ((0, 32), (0, 33))
 """vLLM minor versions whose connector API this module was written for and a test
-covers: 0.32 by tests/e2e on the installed CPU build; 0.33 by tests/test_vllm033.py,
+covers: 0.32 by tests/e2e on the installed CPU build; 0.33 by tests/connector/test_vllm033.py,
 which runs 0.33's real scheduler (sync and async) with both roles of the connector in
 one process over a CPU KV cache, but no 0.33 engine (see :data:`PARTLY_TESTED`)."""
 
 PARTLY_TESTED: Final = {
     (0, 33): (
-        "its scheduler and connector API are tested here (tests/test_vllm033.py), "
+        "its scheduler and connector API are tested here (tests/connector/test_vllm033.py), "
         "no 0.33 engine is: not its model runner, GPU worker, multi-process mode or "
         'sleep mode on a GPU (docs/vllm.md, "vLLM 0.33")'
     ),

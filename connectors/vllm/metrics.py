@@ -114,7 +114,7 @@ PREFETCH_HELP: Final[dict[str, str]] = {
     "the prefix already in the cpu tier.",
 }
 """Prometheus help text of each ``PrefetchStats`` field's counter, by field (a field
-without one fails this import; tests/test_vllm_prom.py checks that they agree)."""
+without one fails this import; tests/connector/test_vllm_prom.py checks that they agree)."""
 
 COUNTERS: Final[dict[str, str]] = {
     "lookups": "Lookups of a request's blocks in the tiers by the scheduler side.",

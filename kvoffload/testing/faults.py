@@ -7,7 +7,7 @@ probability per call, drawn from a seeded generator, and :attr:`FaultyBackend.en
 turns them all off (the disk "recovers") and on again. :attr:`FaultyBackend.injected`
 counts what was injected, so a test can check that a fault it expected did happen.
 
-Used by ``tests/test_faults.py``; usable with ``Offloader(..., tiers=...)``::
+Used by ``tests/core/test_faults.py``; usable with ``Offloader(..., tiers=...)``::
 
     tiers = build_tiers(config, layout)
     tiers[1].backend = FaultyBackend(tiers[1].backend, Faults(write_error=0.3))

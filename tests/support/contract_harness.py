@@ -72,7 +72,7 @@ from .engine_run import write_tiny_llama
 
 BLOCK = 16
 """Tokens per block. vLLM's CPU attention wants 32, but no attention runs here, and
-the scheduler and the connector take 16 (as ``tests/test_connector_threads.py``)."""
+the scheduler and the connector take 16 (as ``tests/connector/test_connector_threads.py``)."""
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 32  # the tiny Llama of support.engine_run
 WORDS = KV_HEADS * HEAD_DIM
 """int16 words of one token's K (and as many of its V) in one layer (bf16)."""

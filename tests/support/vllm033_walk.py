@@ -1,6 +1,6 @@
 """vLLM 0.33's real scheduler with our connector attached, stepped without a model.
 
-Run by ``tests/test_vllm033.py`` in vLLM 0.33 (``support/vllm033.py`` sets the path):
+Run by ``tests/connector/test_vllm033.py`` in vLLM 0.33 (``support/vllm033.py`` sets the path):
 ``python vllm033_walk.py WORKDIR``. Prints one ``VLLM033-RESULT <json>`` line.
 
 What is real: vLLM 0.33's ``Scheduler`` (and ``AsyncScheduler``, 0.33's default), its

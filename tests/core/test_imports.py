@@ -60,7 +60,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-REPO: Final = Path(__file__).resolve().parents[1]
+REPO: Final = Path(__file__).resolve().parents[2]
 ROOT: Final = "kvoffload"
 
 LAYERS: Final[dict[int, tuple[str, tuple[str, ...]]]] = {
@@ -351,7 +351,7 @@ def test_every_module_has_a_layer() -> None:
     missing = sorted(m for m in discover() if layer_of(m) is None)
     assert not missing, (
         f"module(s) with no layer: {', '.join(missing)}; add each to LAYERS in "
-        "tests/test_imports.py (the lowest layer whose modules are all it imports)"
+        "tests/core/test_imports.py (the lowest layer whose modules are all it imports)"
     )
 
 
@@ -389,7 +389,7 @@ def test_layers_depend_downwards_only() -> None:
             )
     assert not bad, (
         "upward import(s): a module may import only from its own layer or below "
-        "(layers in tests/test_imports.py):\n  " + "\n  ".join(bad)
+        "(layers in tests/core/test_imports.py):\n  " + "\n  ".join(bad)
     )
 
 

@@ -21,7 +21,7 @@ from kvoffload.config import KVOffloadConfig, config_schema, load_config
 from kvoffload.exceptions import ConfigError
 from kvoffload.sizes import parse_size
 
-REPO = Path(__file__).parents[1]
+REPO = Path(__file__).parents[2]
 DEFAULT_YAML = REPO / "configs" / "default.yaml"
 CLI = KVOFFLOAD
 

@@ -4,7 +4,7 @@ tier fail cleanly (counted in its ``store_errors``, nothing raises into the call
 every block stored before still loads bit-exact, the tier takes and serves new blocks
 once the space returns, and ``Offloader.check()`` finds nothing wrong throughout.
 
-``tests/test_faults.py`` injects ENOSPC through a wrapper; here the kernel returns it.
+``tests/core/test_faults.py`` injects ENOSPC through a wrapper; here the kernel returns it.
 The mmap tier runs with ``preallocate: false`` (its sparse slab fills as it is written);
 with the default ``preallocate: true`` a filesystem too small for the capacity is
 refused at open instead, and space once reserved stays usable whoever fills the disk.
@@ -252,12 +252,15 @@ def test_lmdb_tier_survives_a_full_disk(small_fs: Callable[[int], Path]) -> None
     store error) instead of killing the process with SIGBUS on a page fault."""
     fs = small_fs(FS_BYTES)
     here = Path(__file__).resolve()
+    tests = here.parents[1]  # where ``support`` lives: on the child's path too
+    path = os.pathsep.join(filter(None, [str(tests), os.environ.get("PYTHONPATH")]))
     done = subprocess.run(
         [sys.executable, "-X", "faulthandler", str(here), "lmdb", str(fs)],
         capture_output=True,
         text=True,
         timeout=120,
-        cwd=here.parent.parent,
+        cwd=tests.parent,
+        env={**os.environ, "PYTHONPATH": path},
     )
     if done.returncode == -signal.SIGBUS:
         pytest.fail(f"the LMDB tier died of SIGBUS on the full disk:\n{done.stderr[-3000:]}")

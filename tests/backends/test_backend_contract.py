@@ -19,7 +19,7 @@ def test_the_expected_backends_are_installed() -> None:
 
 
 # Backends that need a server of their own run the contract against real servers in
-# their own test file (redis: tests/test_backend_redis.py).
+# their own test file (redis: tests/backends/test_backend_redis.py).
 SERVED: frozenset[str] = frozenset({"redis"})
 
 

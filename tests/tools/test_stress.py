@@ -18,7 +18,7 @@ from kvoffload.config import load_config
 from kvoffload.exceptions import ConfigError
 from kvoffload.tools.stress import StressRunner
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _stress_cli(out: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], Any]:

@@ -9,7 +9,7 @@ that does not exist.
 
 The docs tables sit between ``<!-- BEGIN tier-metrics TAG ... -->`` and
 ``<!-- END tier-metrics TAG -->``; run this file as a script to rewrite them from the
-schema (``.venv/bin/python tests/test_metrics.py``).
+schema (``.venv/bin/python tests/core/test_metrics.py``).
 """
 
 from __future__ import annotations
@@ -221,7 +221,7 @@ def test_connector_stats_and_prometheus_carry_every_counter() -> None:
 # ---------------------------------------------------------------------------- docs
 BEGIN: Final = (
     "<!-- BEGIN tier-metrics {tag}: generated from kvoffload/metrics.py"
-    " by tests/test_metrics.py -->"
+    " by tests/core/test_metrics.py -->"
 )
 END: Final = "<!-- END tier-metrics {tag} -->"
 
@@ -275,7 +275,7 @@ def test_docs_tables_are_generated_from_the_schema(doc: str) -> None:
     text = (REPO / doc).read_text(encoding="utf-8")
     start, stop = _span(text, tag)
     assert text[start:stop] == render() + "\n", (
-        f"{doc}: the tier metrics table is stale; run `.venv/bin/python tests/test_metrics.py`"
+        f"{doc}: the tier metrics table is stale; run `.venv/bin/python tests/core/test_metrics.py`"
     )
 
 
