@@ -67,7 +67,7 @@ from real_server import (
     write_config,
 )
 
-from kvoffload.tools.bench.harness import run_facts, write_json
+from kvoffload.tools.bench.harness import save_report
 
 SETTINGS: dict[str, dict[str, Any]] = {
     "on": {"options": {"prefetch_on_arrival": True}},
@@ -303,10 +303,7 @@ def main() -> None:
         on, off = summary["on"], summary["off"]
         report["gain_mean_ttft"] = round(1 - on["mean_ttft_ms"] / off["mean_ttft_ms"], 3)
         report["gain_p99_ttft"] = round(1 - on["p99_ttft_ms"] / off["p99_ttft_ms"], 3)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        write_json(args.json, report, facts=run_facts())
+    save_report(args.json, report, echo=True)
 
 
 if __name__ == "__main__":

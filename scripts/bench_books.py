@@ -38,10 +38,11 @@ import torch
 
 from kvoffload.blockpool import BlockPool
 from kvoffload.config import load_config
-from kvoffload.keys import ROOT_KEY, BlockKey, chain_key
+from kvoffload.keys import BlockKey
 from kvoffload.layout import KVLayout
 from kvoffload.offloader import Offloader
 from kvoffload.tools.bench.harness import write_json
+from kvoffload.tools.bench.inputs import key_chain
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, namespace="bb")
 
@@ -122,14 +123,6 @@ def instrument(off: Offloader) -> tuple[CountingLock, Meter]:
     return lock, meter
 
 
-def make_keys(n: int, salt: str) -> list[BlockKey]:
-    keys, parent = [], ROOT_KEY
-    for i in range(n):
-        parent = chain_key(parent, f"{salt}:{i}".encode())
-        keys.append(parent)
-    return keys
-
-
 def _wait(off: Offloader, job: int | None) -> None:
     assert job is not None, "job refused"
     (res,) = off.wait([job], timeout=60)
@@ -153,7 +146,7 @@ def run(jobs: int, blocks: int, base: Path) -> dict[str, Any]:
     ]
     off = Offloader(load_config({"tiers": tiers}, env={}), LAYOUT, pool)
     lock, meter = instrument(off)
-    groups = [make_keys(blocks, f"g{j}") for j in range(jobs)]
+    groups = [key_chain(blocks, f"g{j}") for j in range(jobs)]
     ids = list(range(blocks))
     out: dict[str, Any] = {}
 

@@ -29,7 +29,6 @@ whose ``blocks`` is ``uint8 [n, bytes_per_block]``; cycled under fresh keys to f
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import subprocess
 import sys
@@ -46,42 +45,25 @@ from kvoffload.keys import BlockKey, chain_key
 from kvoffload.layout import KVLayout
 from kvoffload.registry import get_backend_class
 from kvoffload.sizes import parse_size
-from kvoffload.tools.bench.harness import gbps, ratio, run_facts, timed, timed_result, write_json
+from kvoffload.tools.bench.harness import gbps, ratio, save_report, timed, timed_result
+from kvoffload.tools.bench.inputs import block_layout, read_capture
 from kvoffload.tools.bench.raw import drop_page_cache
 from kvoffload.tools.stress import kv_like
 
 BATCH_BYTES = 32 * 1024 * 1024
 
 
-def layout_for(nbytes: int, itemsize: int) -> KVLayout:
-    """A layout whose blocks are ``nbytes`` of ``itemsize``-byte values (the tier
-    sees only its size, dtype and fingerprint)."""
-    dtype = {1: "float8_e4m3fn", 2: "bfloat16"}[itemsize]
-    values = nbytes // itemsize
-    assert values % (2 * 32) == 0, "a block of 32 tokens, K and V"
-    return KVLayout(
-        num_layers=1,
-        num_kv_heads=1,
-        head_dim=values // 64,
-        block_size=32,
-        dtype=dtype,
-        namespace="bench-compression",
-    )
+NAMESPACE = "bench-compression"
 
 
 def load_blocks(capture: Path | None, total: int) -> tuple[KVLayout, torch.Tensor, str]:
     if capture is None:
-        layout = layout_for(256 * 1024, 2)
+        layout = block_layout(256 * 1024, 2, NAMESPACE)
         n = max(1, total // layout.bytes_per_block)
         return layout, kv_like(layout, n, seed=0), "synthetic kv_like bf16"
-    with np.load(capture) as z:
-        blocks = z["blocks"]
-        meta = json.loads(str(z["meta"])) if "meta" in z.files else {}
-    itemsize = int(meta.get("element_size", 2))
-    layout = layout_for(blocks.shape[1], itemsize)
+    layout, blocks, what = read_capture(capture, NAMESPACE)
     n = max(1, total // layout.bytes_per_block)
-    rows = torch.from_numpy(blocks[np.arange(n) % len(blocks)].copy())
-    return layout, rows, f"{capture.name} ({len(blocks)} captured blocks, cycled)"
+    return layout, torch.from_numpy(blocks[np.arange(n) % len(blocks)].copy()), what
 
 
 def keys_for(n: int, salt: bytes) -> list[BlockKey]:
@@ -298,8 +280,7 @@ def main() -> int:
                 f"used_memory {r['used_memory']}",
                 flush=True,
             )
-    if args.json is not None:
-        write_json(args.json, report, facts=run_facts())
+    save_report(args.json, report)
     return 0
 
 

@@ -61,7 +61,7 @@ from real_server import (
     write_config,
 )
 
-from kvoffload.tools.bench.harness import run_facts, write_json
+from kvoffload.tools.bench.harness import save_report
 
 MODES: dict[str, dict[str, Any]] = {
     "in_step": {"async_load_min_bytes": 1 << 40},
@@ -244,10 +244,7 @@ def main() -> None:
         summary = {k: v for k, v in report["modes"][mode].items() if k != "trials"}
         summary.pop("final_counters", None)
         print(mode, json.dumps(summary), flush=True)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        write_json(args.json, report, facts=run_facts())
+    save_report(args.json, report, echo=True)
 
 
 if __name__ == "__main__":

@@ -46,10 +46,11 @@ import torch
 from kvoffload.blockpool import BlockPool
 from kvoffload.config import load_config
 from kvoffload.hostcopy import host_rows, page_aligned_empty, unpin
-from kvoffload.keys import ROOT_KEY, BlockKey, chain_key
+from kvoffload.keys import BlockKey
 from kvoffload.layout import KVLayout
 from kvoffload.offloader import Offloader
 from kvoffload.tools.bench import harness
+from kvoffload.tools.bench.inputs import key_chain
 
 SIZES_KIB = (16, 64, 256, 1024, 2048, 4096)
 
@@ -136,14 +137,6 @@ def bench_size(
 
 OFFLOADER_KIB = (64, 256, 2048)
 MOVE_BYTES = 2 << 30
-
-
-def _keys(n: int, salt: str) -> list[BlockKey]:
-    keys, parent = [], ROOT_KEY
-    for i in range(n):
-        parent = chain_key(parent, f"{salt}:{i}".encode())
-        keys.append(parent)
-    return keys
 
 
 def _jobs(off: Offloader, jobs: list[int | None]) -> int:
@@ -240,10 +233,10 @@ def bench_offloader(kib: int, base_d2h: float, base_h2d: float, mmap_dir: Path) 
     row["setup_seconds"] = time.perf_counter() - t0
     with off:
         # warm-up: the caching allocator, pinned index memory, the lanes
-        warm = _keys(batch, f"warm{kib}")
+        warm = key_chain(batch, f"warm{kib}")
         _jobs(off, _store_all(off, warm, src[:batch], batch))
         _jobs(off, _load_all(off, warm, dst[:batch], batch))
-        keys = _keys(n, f"a{kib}")
+        keys = key_chain(n, f"a{kib}")
         _quiet()
         t0 = time.perf_counter()
         assert _jobs(off, _store_all(off, keys, src, batch)) == n
@@ -257,7 +250,7 @@ def bench_offloader(kib: int, base_d2h: float, base_h2d: float, mmap_dir: Path) 
         ok = torch.equal(pool.gather(src[:batch]), pool.gather(dst[:batch]))
         row["bit_exact"] = ok
         # Both at once: new keys stored from src while the stored ones load into dst.
-        more = _keys(n, f"b{kib}")
+        more = key_chain(n, f"b{kib}")
         _quiet()
         t0 = time.perf_counter()
         jobs: list[int | None] = []
@@ -269,7 +262,7 @@ def bench_offloader(kib: int, base_d2h: float, base_h2d: float, mmap_dir: Path) 
         row["both_gbps"] = harness.gbps(moved * bpb, time.perf_counter() - t0)
         # Cost to compute: a matmul loop alone, then while 2 GiB moves each way.
         alone = min(_matmul_seconds() for _ in range(3))
-        again = _keys(n, f"c{kib}")
+        again = key_chain(n, f"c{kib}")
         jobs = []
         t0 = time.perf_counter()
         for i in range(0, n, batch):
@@ -316,12 +309,12 @@ def bench_chain(
     )
     out: dict[str, Any] = {}
     with Offloader(cfg, layout, pool) as off:
-        keys = _keys(n, f"chain{bpb}")
+        keys = key_chain(n, f"chain{bpb}")
         t0 = time.perf_counter()
         _jobs(off, _store_all(off, keys, src[:n], batch))
         assert off.drain(600)
         out["chain_store_gbps"] = harness.gbps(n * bpb, time.perf_counter() - t0)
-        flush = _keys(n, f"flush{bpb}")
+        flush = key_chain(n, f"flush{bpb}")
         _jobs(off, _store_all(off, flush, src[:n], batch))
         assert off.drain(600)
         t0 = time.perf_counter()

@@ -47,10 +47,11 @@ further), so per-block ratios vary::
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,8 @@ from kvoffload.keys import BlockKey, chain_key
 from kvoffload.layout import KVLayout
 from kvoffload.sizes import parse_size
 from kvoffload.tier import Tier, build_tiers
-from kvoffload.tools.bench.harness import gbps, ratio, run_facts, timed_result, write_json
+from kvoffload.tools.bench.harness import gbps, ratio, save_report, timed_result
+from kvoffload.tools.bench.inputs import block_layout, read_capture
 from kvoffload.tools.bench.raw import drop_page_cache
 from kvoffload.tools.stress import kv_like
 
@@ -83,30 +85,12 @@ FRAGMENTATION_FIELDS = (
 )
 
 
-def layout_for(nbytes: int, itemsize: int) -> KVLayout:
-    """A layout whose blocks are ``nbytes`` of ``itemsize``-byte values (the tier sees
-    only its size, its dtype, which the codec's shuffle uses, and its fingerprint)."""
-    dtype = {1: "float8_e4m3fn", 2: "bfloat16"}[itemsize]
-    values = nbytes // itemsize
-    if values % 64:
-        raise SystemExit(f"a block of {nbytes} bytes is not 32 tokens of K and V; use 64 KiB")
-    return KVLayout(
-        num_layers=1,
-        num_kv_heads=1,
-        head_dim=values // 64,
-        block_size=32,
-        dtype=dtype,
-        namespace="bench-packing",
-    )
+NAMESPACE = "bench-packing"
 
 
 def capture_rows(path: Path) -> tuple[KVLayout, torch.Tensor, str]:
-    with np.load(path) as z:
-        blocks = z["blocks"]
-        meta = json.loads(str(z["meta"])) if "meta" in z.files else {}
-    layout = layout_for(blocks.shape[1], int(meta.get("element_size", 2)))
-    rows = torch.from_numpy(np.ascontiguousarray(blocks))
-    return layout, rows, f"{path.name} ({len(blocks)} captured blocks, cycled)"
+    layout, blocks, what = read_capture(path, NAMESPACE)
+    return layout, torch.from_numpy(np.ascontiguousarray(blocks)), what
 
 
 def mixed_rows(
@@ -114,7 +98,7 @@ def mixed_rows(
 ) -> tuple[KVLayout, torch.Tensor, str]:
     """KV-like bf16 rows; ``random_share`` of them random bytes, ``zeroed_share`` with
     30-90% of their values zeroed (the rest as ``kv_like`` makes them)."""
-    layout = layout_for(block_bytes, 2)
+    layout = block_layout(block_bytes, 2, NAMESPACE)
     rows = kv_like(layout, MIXED_POOL, seed=seed)
     rng = np.random.default_rng(seed)
     kind = rng.random(MIXED_POOL)
@@ -323,25 +307,18 @@ def run_codec(
         }
     finally:
         tier.close()
-    row.update(load_all(path, codec, capacity, layout, pool, held, i, args.load_reps))
+    once = partial(load_once, path, codec, capacity, layout, pool, held, i)
+    row.update(load_all(once, held, args.load_reps))
     shutil.rmtree(path, ignore_errors=True)
     return row
 
 
-def load_all(
-    path: Path,
-    codec: str,
-    capacity: int,
-    layout: KVLayout,
-    pool: torch.Tensor,
-    held: int,
-    stored: int,
-    reps: int,
-) -> dict[str, Any]:
-    """``reps`` rounds of: page cache dropped, reopen (timed), every held block loaded
-    and checked against what was stored. The best round's figures (the machine is
-    shared: its worst rounds measure the neighbours), and every round's."""
-    rounds = [load_once(path, codec, capacity, layout, pool, held, stored) for _ in range(reps)]
+def load_all(once: Callable[[], dict[str, Any]], held: int, reps: int) -> dict[str, Any]:
+    """``reps`` rounds of ``once`` (:func:`load_once`: page cache dropped, reopen
+    (timed), every held block loaded and checked against what was stored). The best
+    round's figures (the machine is shared: its worst rounds measure the neighbours),
+    and every round's."""
+    rounds = [once() for _ in range(reps)]
     gbps = [r["load_gbps"] for r in rounds]
     return {
         "reopen_s": min(r["reopen_s"] for r in rounds),
@@ -475,8 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{[r['recovered_over_held'] for r in rows]}",
         flush=True,
     )
-    if args.json is not None:
-        write_json(args.json, report, facts=run_facts())
+    save_report(args.json, report)
     return 0
 
 

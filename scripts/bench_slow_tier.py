@@ -47,7 +47,7 @@ from real_server import (
     write_config,
 )
 
-from kvoffload.tools.bench.harness import run_facts, write_json
+from kvoffload.tools.bench.harness import save_report
 
 
 def _option(text: str) -> tuple[str, Any]:
@@ -138,10 +138,7 @@ def main() -> None:
             if "kvoffload" in line and "non-default args" not in line and "config:" not in line
         ][-10:],
     )
-    text_out = json.dumps(report, indent=2)
-    print(text_out)
-    if args.json:
-        write_json(args.json, report, facts=run_facts())
+    save_report(args.json, report, echo=True)
 
 
 if __name__ == "__main__":

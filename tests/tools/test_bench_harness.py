@@ -25,6 +25,7 @@ from kvoffload.tools.bench.harness import (
     ratio,
     ratios,
     run_facts,
+    save_report,
     strongest,
     timed,
     timed_result,
@@ -156,6 +157,21 @@ def test_json_carries_the_command_date_and_machine(tmp_path: Path) -> None:
     assert out.read_text() == '[\n {\n  "a": 1\n }\n]\n'
     with pytest.raises(TypeError):
         write_json(out, [1], facts=facts)
+
+
+def test_save_report_echoes_and_writes_only_what_was_asked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("sys.argv", ["scripts/bench_x.py", "--json", "x.json"])
+    report = {"hit_ttft_ms": 12.5, "modes": {"on": 1}}
+    save_report(None, report)
+    assert capsys.readouterr().out == ""
+    out = tmp_path / "x.json"
+    save_report(out, report, echo=True)
+    assert capsys.readouterr().out == json.dumps(report, indent=2) + "\n"
+    written = json.loads(out.read_text())
+    assert written["run"]["command"] == "scripts/bench_x.py --json x.json"
+    assert {k: v for k, v in written.items() if k != "run"} == report
 
 
 def test_print_figures() -> None:

@@ -6,9 +6,11 @@ vLLM's fs tier and raw redis-py, in one run); :mod:`~kvoffload.tools.bench.manag
 :mod:`~kvoffload.tools.bench.redis` its parts; :mod:`~kvoffload.tools.bench.raw` the
 raw-disk baseline they share; :mod:`~kvoffload.tools.bench.harness` the timing,
 same-run ratios, JSON and docs table that every benchmark (here and in ``scripts/``)
-reports through. This package re-exports what ``kvoffload.tools.bench`` held when it
-was one module, so ``from kvoffload.tools.bench import run_bench`` keeps working;
-lazily, so that a script that only needs the harness does not import every tier.
+reports through; :mod:`~kvoffload.tools.bench.inputs` the captured KV blocks and key
+chains that the scripts feed their tiers. This package re-exports what
+``kvoffload.tools.bench`` held when it was one module, so ``from kvoffload.tools.bench
+import run_bench`` keeps working; lazily, so that a script that only needs the harness
+does not import every tier.
 """
 
 from __future__ import annotations

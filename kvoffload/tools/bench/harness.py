@@ -7,7 +7,8 @@ here times its baseline and its candidates with :func:`timings` (interleaved rou
 a slow spell hits every side alike), turns seconds into :func:`gbps`, divides by the
 baseline with :func:`ratio` / :func:`ratios`, writes the figures with
 :func:`write_json` (the command, the date and the machine's facts beside them, so a
-figure in ``docs/benchmarks.md`` can be traced back) and the docs' row with
+figure in ``docs/benchmarks.md`` can be traced back; :func:`save_report` is a script's
+``--json`` end of run) and the docs' row with
 :func:`markdown_table`. Every clock is injectable, so the tests check exact values.
 """
 
@@ -173,6 +174,18 @@ def write_json(
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(payload, indent=indent) + "\n")
+
+
+def save_report(
+    path: str | os.PathLike[str] | None, report: Mapping[str, Any], *, echo: bool = False
+) -> None:
+    """The end of a benchmark's run: with ``echo``, ``report`` as indented JSON on
+    stdout (what the long-running ones leave in their log); then, when ``--json`` named
+    a ``path``, the report there with the run's facts (:func:`run_facts`)."""
+    if echo:
+        print(json.dumps(report, indent=2))
+    if path:
+        write_json(path, report, facts=run_facts())
 
 
 def print_figures(result: Mapping[str, Any], *, width: int = 28, file: Any = None) -> None:
