@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 import torch
 from kvoffload.backends.lmdb import PACKING, LmdbBackend, map_size_for
-from support.blocks import LAYOUT, POOL, make_keys
+from support.blocks import LAYOUT, make_keys
+from support.tiers import kv_content, store_batches, two_tier_offloader, two_tiers
 
-from kvoffload.blockpool import BlockPool
-from kvoffload.config import LmdbTierConfig, load_config
+from kvoffload.config import LmdbTierConfig
 from kvoffload.exceptions import BackendError
 from kvoffload.keys import BlockKey
 from kvoffload.layout import KVLayout
@@ -37,9 +37,7 @@ SLOT = LmdbBackend.slot_bytes(LAYOUT)  # a full-size record: header plus payload
 BATCH = 8
 
 
-def _content(key: BlockKey) -> torch.Tensor:
-    """KV-like values seeded by ``key`` (a codec shrinks them, each by its own ratio)."""
-    return kv_like(LAYOUT, 1, int.from_bytes(key[:4], "little"))[0]
+_content = kv_content
 
 
 def _same(key: BlockKey) -> torch.Tensor:
@@ -48,31 +46,20 @@ def _same(key: BlockKey) -> torch.Tensor:
 
 
 def _offloader(tmp: Path, compression: str) -> Offloader:
-    tiers: list[dict[str, Any]] = [
-        {"name": "cpu", "backend": "cpu", "capacity": BATCH * BPB},
-        {
-            "name": "db",
-            "backend": "lmdb",
-            "path": str(tmp / compression),
-            "capacity": FULL * SLOT,
-            "compression": compression,
-        },
-    ]
-    pool = BlockPool.allocate(LAYOUT, POOL)
-    return Offloader(load_config({"tiers": tiers}, env={}), LAYOUT, pool)
+    return two_tier_offloader(
+        two_tiers(
+            tmp,
+            compression,
+            name="db",
+            backend="lmdb",
+            capacity=FULL * SLOT,
+            cpu_capacity=BATCH * BPB,
+        )
+    )
 
 
 def _store_all(off: Offloader, keys: list[BlockKey], content: Any = _content) -> None:
-    assert off.pool is not None
-    for start in range(0, len(keys), BATCH):
-        batch = keys[start : start + BATCH]
-        ids = list(range(len(batch)))
-        off.pool.scatter(ids, torch.stack([content(k) for k in batch]))
-        job = off.submit_store(batch, ids)
-        assert job is not None
-        (res,) = off.wait([job], timeout=60)
-        assert res.success, res.error
-        assert off.drain()
+    store_batches(off, keys, batch=BATCH, timeout=60, content=content)
 
 
 def _charges(manager: Any, keys: list[BlockKey]) -> dict[BlockKey, int]:

@@ -18,52 +18,31 @@ import pytest
 import torch
 from kvoffload.backends.mmap import ALIGN, MmapBackend
 from kvoffload.backends.mmap.extents import resolve
-from support.blocks import LAYOUT, POOL, make_keys
+from support.blocks import LAYOUT, make_keys
+from support.tiers import kv_content, store_batches, two_tier_offloader, two_tiers
 
-from kvoffload.blockpool import BlockPool
-from kvoffload.config import load_config
 from kvoffload.keys import BlockKey
 from kvoffload.offloader import Offloader
 from kvoffload.record import HEADER_BYTES
 from kvoffload.testing import make_backend
 from kvoffload.tier import adopt_recovered, local_manager
-from kvoffload.tools.stress import kv_like
 
 BPB = LAYOUT.bytes_per_block  # 16 KiB: 4 pages
 FULL = 64  # full-size blocks the disk tier's capacity holds
 
 
-def _content(key: BlockKey) -> torch.Tensor:
-    """KV-like values seeded by ``key`` (a codec shrinks them)."""
-    return kv_like(LAYOUT, 1, int.from_bytes(key[:4], "little"))[0]
+_content = kv_content
 
 
 def _offloader(tmp: Path, compression: str) -> Offloader:
-    tiers: list[dict[str, Any]] = [
-        {"name": "cpu", "backend": "cpu", "capacity": 8 * BPB},
-        {
-            "name": "ssd",
-            "backend": "mmap",
-            "path": str(tmp / compression),
-            "capacity": FULL * MmapBackend.slot_bytes(LAYOUT),
-            "compression": compression,
-        },
-    ]
-    pool = BlockPool.allocate(LAYOUT, POOL)
-    return Offloader(load_config({"tiers": tiers}, env={}), LAYOUT, pool)
+    cap = FULL * MmapBackend.slot_bytes(LAYOUT)
+    return two_tier_offloader(
+        two_tiers(tmp, compression, name="ssd", backend="mmap", capacity=cap, cpu_capacity=8 * BPB)
+    )
 
 
 def _store_all(off: Offloader, keys: list[BlockKey]) -> None:
-    assert off.pool is not None
-    for start in range(0, len(keys), 8):
-        batch = keys[start : start + 8]
-        ids = list(range(len(batch)))
-        off.pool.scatter(ids, torch.stack([_content(k) for k in batch]))
-        job = off.submit_store(batch, ids)
-        assert job is not None
-        (res,) = off.wait([job], timeout=30)
-        assert res.success, res.error
-        assert off.drain()
+    store_batches(off, keys)
 
 
 @pytest.mark.parametrize("compression", ["none", "zstd"])

@@ -56,16 +56,16 @@ from kvoffload.connectors.vllm import (
 )
 from kvoffload.connectors.vllm.remote import BooksServer, RemoteBooks
 from kvoffload.connectors.vllm.shared import REGISTRY
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 from support.engine_run import write_tiny_llama
+from support.vllm_steps import connector_config, metric_types, new_request_step
 from support.waiting import HANG_S
-from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
+from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher, init_none_hash
-from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
 from vllm.v1.request import Request
 
 from kvoffload.metrics import TIER_METRIC
@@ -93,21 +93,14 @@ def tiny_config(
         {"name": "cpu", "capacity": first_blocks * BPB},
         {"name": "ram2", "capacity": second_blocks * BPB},
     ]
-    return VllmConfig(
-        model_config=ModelConfig(
-            model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=2048
-        ),
-        cache_config=CacheConfig(block_size=BLOCK),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="TieredOffloadConnector",
-            kv_connector_module_path="kvoffload.connectors.vllm",
-            kv_role="kv_both",
-            engine_id=engine_id,
-            kv_load_failure_policy="recompute",
-            # This harness's "engine" computes nothing: a prefill rate measured from
-            # its steps would be meaningless, so every hit is loaded (exact tallies).
-            kv_connector_extra_config={"config": {"tiers": tiers}, "load_or_recompute": False},
-        ),
+    return connector_config(
+        model_dir,
+        BLOCK,
+        # This harness's "engine" computes nothing: a prefill rate measured from its
+        # steps would be meaningless, so every hit is loaded (exact tallies).
+        {"config": {"tiers": tiers}, "load_or_recompute": False},
+        engine_id=engine_id,
+        kv_load_failure_policy="recompute",
     )
 
 
@@ -116,24 +109,6 @@ def kv_caches(num_blocks: int) -> dict[str, torch.Tensor]:
         f"layer{i}": torch.zeros((num_blocks, 2, BLOCK, HEADS, DIM), dtype=torch.bfloat16)
         for i in range(LAYERS)
     }
-
-
-def metric_types(registry: CollectorRegistry) -> dict[type[Any], type[Any]]:
-    """vLLM's metric classes, registered in ``registry`` instead of the global one."""
-
-    class RCounter(Counter):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, registry=registry, **kwargs)
-
-    class RGauge(Gauge):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, registry=registry, **kwargs)
-
-    class RHistogram(Histogram):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, registry=registry, **kwargs)
-
-    return {Counter: RCounter, Gauge: RGauge, Histogram: RHistogram}
 
 
 class Blocks:
@@ -309,21 +284,7 @@ class Run:
                     self.blocks.compute(block_ids[j], req.block_hashes[j])
             computed = local + matched
             req.num_computed_tokens = computed  # as vLLM's scheduler sets it
-            out = SchedulerOutput.make_empty()
-            out.scheduled_new_reqs = [
-                NewRequestData(
-                    req_id=req.request_id,
-                    prompt_token_ids=req.prompt_token_ids,
-                    mm_features=[],
-                    sampling_params=req.sampling_params,
-                    pooling_params=None,
-                    block_ids=(block_ids,),
-                    num_computed_tokens=computed,
-                    lora_request=None,
-                )
-            ]
-            out.num_scheduled_tokens = {req.request_id: len(tokens) - computed}
-            out.total_num_scheduled_tokens = len(tokens) - computed
+            out = new_request_step(req, block_ids, computed, len(tokens) - computed)
             meta = conn.build_connector_meta(out)
             assert isinstance(meta, TieredOffloadMetadata)
             store_keys = sum(len(st.keys) for st in meta.stores)

@@ -25,10 +25,11 @@ from kvoffload.connectors.vllm import (
     connector_health,
 )
 from kvoffload.connectors.vllm.shared import REGISTRY
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 from support.engine_run import write_tiny_llama
+from support.vllm_steps import connector_config, metric_types, new_request_step
 from support.waiting import wait_until
-from vllm.config import CacheConfig, KVEventsConfig, KVTransferConfig, ModelConfig, VllmConfig
+from vllm.config import KVEventsConfig, VllmConfig
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.sampling_params import SamplingParams
@@ -40,7 +41,7 @@ from vllm.v1.core.kv_cache_utils import (
     init_none_hash,
     maybe_convert_block_hash,
 )
-from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
@@ -56,37 +57,12 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def vllm_config(model_dir: str, tiers: list[dict[str, Any]], *, events: bool) -> VllmConfig:
-    return VllmConfig(
-        model_config=ModelConfig(
-            model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=2048
-        ),
-        cache_config=CacheConfig(block_size=BLOCK),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="TieredOffloadConnector",
-            kv_connector_module_path="kvoffload.connectors.vllm",
-            kv_role="kv_both",
-            kv_connector_extra_config={"config": {"tiers": tiers}},
-        ),
-        kv_events_config=KVEventsConfig(enable_kv_cache_events=True) if events else None,
+    return connector_config(
+        model_dir,
+        BLOCK,
+        {"config": {"tiers": tiers}},
+        events=KVEventsConfig(enable_kv_cache_events=True) if events else None,
     )
-
-
-def metric_types(registry: CollectorRegistry) -> dict[type[Any], type[Any]]:
-    """vLLM's metric classes, registered in ``registry`` instead of the global one."""
-
-    class RCounter(Counter):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, registry=registry, **kwargs)
-
-    class RGauge(Gauge):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, registry=registry, **kwargs)
-
-    class RHistogram(Histogram):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, registry=registry, **kwargs)
-
-    return {Counter: RCounter, Gauge: RGauge, Histogram: RHistogram}
 
 
 def sample(registry: CollectorRegistry, name: str, engine: str, tier: str | None = None) -> Any:
@@ -204,21 +180,7 @@ class Engine:
         """One engine step scheduling ``num_tokens`` of ``req`` (admitted, new to the
         step) into ``block_ids``; waits for its stores, if any. The scheduler side's
         events and the worker side's stats of the step."""
-        out = SchedulerOutput.make_empty()
-        out.scheduled_new_reqs = [
-            NewRequestData(
-                req_id=req.request_id,
-                prompt_token_ids=req.prompt_token_ids,
-                mm_features=[],
-                sampling_params=req.sampling_params,
-                pooling_params=None,
-                block_ids=(block_ids,),
-                num_computed_tokens=0,
-                lora_request=None,
-            )
-        ]
-        out.num_scheduled_tokens = {req.request_id: num_tokens}
-        out.total_num_scheduled_tokens = num_tokens
+        out = new_request_step(req, block_ids, 0, num_tokens)
         meta = self.scheduler.build_connector_meta(out)
         self.worker.bind_connector_metadata(meta)
         self.worker.start_load_kv(None)

@@ -38,14 +38,13 @@ from kvoffload.connectors.vllm import (
 from kvoffload.connectors.vllm.metadata import Load
 from kvoffload.connectors.vllm.shared import REGISTRY
 from support.engine_run import write_tiny_llama
+from support.vllm_steps import connector_config, new_request_step
 from support.waiting import wait_until
-from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher, init_none_hash
-from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import Request
 
@@ -63,24 +62,15 @@ class Engine:
 
     def __init__(self, model: Path, tiers: list[dict[str, Any]], role: str = "kv_both") -> None:
         self.engine_id = f"regress-{uuid.uuid4().hex[:10]}"
-        self.config = VllmConfig(
-            model_config=ModelConfig(
-                model=str(model), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=2048
-            ),
-            cache_config=CacheConfig(block_size=BLOCK),
-            kv_transfer_config=KVTransferConfig(
-                kv_connector="TieredOffloadConnector",
-                kv_connector_module_path="kvoffload.connectors.vllm",
-                kv_role=role,
-                engine_id=self.engine_id,
-                kv_load_failure_policy="recompute",
-                # Nothing is computed here: a prefill rate measured from these steps
-                # would be meaningless, so every hit is loaded (exact counts).
-                kv_connector_extra_config={
-                    "config": {"tiers": tiers, "store_timeout_ms": 300},
-                    "load_or_recompute": False,
-                },
-            ),
+        self.config = connector_config(
+            str(model),
+            BLOCK,
+            # Nothing is computed here: a prefill rate measured from these steps
+            # would be meaningless, so every hit is loaded (exact counts).
+            {"config": {"tiers": tiers, "store_timeout_ms": 300}, "load_or_recompute": False},
+            kv_role=role,
+            engine_id=self.engine_id,
+            kv_load_failure_policy="recompute",
         )
         self.worker = TieredOffloadConnector(self.config, KVConnectorRole.WORKER)
         self.caches = {
@@ -139,22 +129,7 @@ class Engine:
         if sources is not None:
             sources.append(self.scheduler.get_external_cache_hit_sources(req, matched))
         req.num_computed_tokens = matched
-        out = SchedulerOutput.make_empty()
-        out.scheduled_new_reqs = [
-            NewRequestData(
-                req_id=req.request_id,
-                prompt_token_ids=req.prompt_token_ids,
-                mm_features=[],
-                sampling_params=req.sampling_params,
-                pooling_params=None,
-                block_ids=(block_ids,),
-                num_computed_tokens=matched,
-                lora_request=None,
-            )
-        ]
-        n = req.num_prompt_tokens - matched
-        out.num_scheduled_tokens = {req.request_id: n}
-        out.total_num_scheduled_tokens = n
+        out = new_request_step(req, block_ids, matched, req.num_prompt_tokens - matched)
         meta = self.scheduler.build_connector_meta(out)
         _, errors = self.step(meta)
         delay, _ = self.scheduler.request_finished(req, block_ids)

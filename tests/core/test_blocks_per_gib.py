@@ -20,20 +20,18 @@ from types import SimpleNamespace
 from typing import Any, Final
 
 import pytest
-import torch
 from kvoffload.backends.mmap import MmapBackend
-from support.blocks import LAYOUT, POOL, make_keys
+from support.blocks import LAYOUT, make_keys
 from support.checkout import KVOFFLOAD
 from support.stress import SMALL_STRESS
+from support.tiers import store_batches, two_tier_offloader, two_tiers
 
-from kvoffload.blockpool import BlockPool
 from kvoffload.config import load_config
-from kvoffload.keys import BlockKey
 from kvoffload.lru_manager import LRUOffloadingManager
 from kvoffload.metrics import GIB, blocks_per_gib
 from kvoffload.offloader import Offloader
 from kvoffload.tools.maintenance import inspect_tiers
-from kvoffload.tools.stress import StressRunner, kv_like
+from kvoffload.tools.stress import StressRunner
 
 HAS_VLLM: Final = importlib.util.find_spec("vllm") is not None
 BPB: Final = LAYOUT.bytes_per_block  # 16 KiB: 4 pages, so a packed slab keeps 4 slots each
@@ -42,37 +40,16 @@ STORED: Final = 200  # blocks stored into each tier: more than either holds
 
 
 def _tiers(tmp: Path, compression: str) -> list[dict[str, Any]]:
-    return [
-        {"name": "cpu", "backend": "cpu", "capacity": 8 * BPB},
-        {
-            "name": "ssd",
-            "backend": "mmap",
-            "path": str(tmp / compression),
-            "capacity": FULL * MmapBackend.slot_bytes(LAYOUT),
-            "compression": compression,
-        },
-    ]
-
-
-def _content(key: BlockKey) -> torch.Tensor:
-    """KV-like values seeded by ``key`` (a codec shrinks them)."""
-    return kv_like(LAYOUT, 1, int.from_bytes(key[:4], "little"))[0]
+    cap = FULL * MmapBackend.slot_bytes(LAYOUT)
+    return two_tiers(
+        tmp, compression, name="ssd", backend="mmap", capacity=cap, cpu_capacity=8 * BPB
+    )
 
 
 def _filled(tmp: Path, compression: str) -> Offloader:
     """An Offloader whose ssd tier got :data:`STORED` blocks, eight per store job."""
-    pool = BlockPool.allocate(LAYOUT, POOL)
-    off = Offloader(load_config({"tiers": _tiers(tmp, compression)}, env={}), LAYOUT, pool)
-    keys = make_keys(STORED, salt=33)
-    for start in range(0, len(keys), 8):
-        batch = keys[start : start + 8]
-        ids = list(range(len(batch)))
-        off.pool.scatter(ids, torch.stack([_content(k) for k in batch]))
-        job = off.submit_store(batch, ids)
-        assert job is not None
-        (res,) = off.wait([job], timeout=30)
-        assert res.success, res.error
-        assert off.drain()
+    off = two_tier_offloader(_tiers(tmp, compression))
+    store_batches(off, make_keys(STORED, salt=33))
     return off
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import get_args
 
 import pytest
+from support.configs import write_tiers_yaml
 
 from kvoffload.codec import CODECS
 from kvoffload.config import KVOffloadConfig, config_schema
@@ -27,23 +28,18 @@ HEAVY = ("torch", "kvoffload.backend", "kvoffload.registry")
 
 
 def _every_builtin_tier(tmp_path: Path) -> Path:
-    cfg = tmp_path / "every-tier.yaml"
-    cfg.write_text(
-        textwrap.dedent(
-            f"""
-            tiers:
-              - {{name: cpu, backend: cpu, capacity: 64MiB}}
-              - {{name: ssd, backend: mmap, capacity: 1GiB, path: {tmp_path / "ssd"}}}
-              - {{name: db, backend: lmdb, capacity: 1GiB, path: {tmp_path / "db"}}}
-              - name: shared
-                backend: redis
-                capacity: 2GiB
-                url: redis://127.0.0.1:1/0
-                password: hunter2
-            """
-        )
+    return write_tiers_yaml(
+        tmp_path,
+        "every-tier.yaml",
+        f"""
+        - {{name: db, backend: lmdb, capacity: 1GiB, path: {tmp_path / "db"}}}
+        - name: shared
+          backend: redis
+          capacity: 2GiB
+          url: redis://127.0.0.1:1/0
+          password: hunter2
+        """,
     )
-    return cfg
 
 
 def _run(code: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:

@@ -60,6 +60,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from support.configs import write_tiers_yaml
+
 REPO: Final = Path(__file__).resolve().parents[2]
 ROOT: Final = "kvoffload"
 
@@ -440,16 +442,7 @@ def test_lazy_and_type_checking_imports_are_classified(tmp_path: Path) -> None:
 def test_config_validation_does_not_import_torch(tmp_path: Path) -> None:
     """``kvoffload config validate`` and any engine-side config check stay cheap: the
     built-in tiers validate, and resolve, without torch or the backend layer."""
-    cfg = tmp_path / "tiers.yaml"
-    cfg.write_text(
-        textwrap.dedent(
-            f"""
-            tiers:
-              - {{name: cpu, backend: cpu, capacity: 64MiB}}
-              - {{name: ssd, backend: mmap, capacity: 1GiB, path: {tmp_path / "ssd"}}}
-            """
-        )
-    )
+    cfg = write_tiers_yaml(tmp_path, "tiers.yaml")
     code = textwrap.dedent(
         """
         import sys

@@ -4,7 +4,12 @@ evicts."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+from pathlib import Path
 from typing import Any
+
+from support.checkout import KVOFFLOAD
 
 SMALL_STRESS: dict[str, Any] = {
     "layout": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 32, "block_size": 16},
@@ -14,3 +19,14 @@ SMALL_STRESS: dict[str, Any] = {
     "suffix_blocks": 2,
 }
 BLOCK = 2 * 2 * 16 * 2 * 32 * 2  # 8 KiB: layers x (K, V) x tokens x heads x dim x bf16
+
+
+def stress_cli(
+    out: Path, *args: str, timeout: float = 120
+) -> tuple[subprocess.CompletedProcess[str], Any]:
+    """Run ``kvoffload stress ARGS --json OUT`` as a user would; assert it succeeded (the
+    tail of its stderr as the reason if not); return the process and the JSON report."""
+    cmd = [str(KVOFFLOAD), "stress", *args, "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc, json.loads(out.read_text())

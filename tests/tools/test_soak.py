@@ -19,14 +19,12 @@ block, with anonymous memory at 32)."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
-from support.checkout import KVOFFLOAD
+from support.stress import stress_cli
 
 SOAK_S = float(os.environ.get("SOAK_SECONDS", "60"))  # longer for a closer look
 WARM_S = 10.0
@@ -77,26 +75,17 @@ def test_a_minute_of_stress_holds_memory_fds_and_threads_flat(tmp_path: Path) ->
     cfg = tmp_path / "soak.yaml"
     cfg.write_text(yaml.safe_dump(soak_config(tmp_path)))
     out = tmp_path / "soak.json"
-    proc = subprocess.run(
-        [
-            str(KVOFFLOAD),
-            "stress",
-            "--config",
-            str(cfg),
-            "--ops",
-            "1000000000",  # never reached: the run ends at --duration
-            "--duration",
-            str(SOAK_S),
-            "--json",
-            str(out),
-            "--no-progress",
-        ],
-        capture_output=True,
-        text=True,
+    _, report = stress_cli(
+        out,
+        "--config",
+        str(cfg),
+        "--ops",
+        "1000000000",  # never reached: the run ends at --duration
+        "--duration",
+        str(SOAK_S),
+        "--no-progress",
         timeout=SOAK_S + 300,
     )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    report = json.loads(out.read_text())
     assert report["integrity_errors"] == 0
     samples = report["resources"]
     warm = next(s for s in samples if s["t"] >= WARM_S)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -11,7 +10,7 @@ import pytest
 import yaml
 from kvoffload.backends.cpu import CPUBackend
 from support.checkout import KVOFFLOAD, TRACE
-from support.stress import BLOCK, SMALL_STRESS
+from support.stress import BLOCK, SMALL_STRESS, stress_cli
 from support.waiting import HANG_S, HeldBackend, returns
 
 from kvoffload.config import load_config
@@ -19,14 +18,6 @@ from kvoffload.exceptions import ConfigError
 from kvoffload.tools.stress import StressRunner
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _stress_cli(out: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], Any]:
-    """Run ``kvoffload stress ARGS --json OUT``; assert success; return the JSON report."""
-    cmd = [str(KVOFFLOAD), "stress", *args, "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    return proc, json.loads(out.read_text())
 
 
 def _config(tiers: list[dict[str, Any]], eviction: str = "lru") -> dict[str, Any]:
@@ -132,26 +123,8 @@ def test_cli_stress_json_report(tmp_path: Path) -> None:
         yaml.safe_dump(_config([{"name": "cpu", "backend": "cpu", "capacity": "320KiB"}]))
     )
     out = tmp_path / "report.json"
-    proc = subprocess.run(
-        [
-            str(KVOFFLOAD),
-            "stress",
-            "--config",
-            str(cfg),
-            "--ops",
-            "80",
-            "--seed",
-            "3",
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
+    proc, report = stress_cli(out, "--config", str(cfg), "--ops", "80", "--seed", "3")
     assert "integrity errors: 0" in proc.stdout
-    report = json.loads(out.read_text())
     assert report["integrity_errors"] == 0
     assert report["ops"] == 80
     assert report["seed"] == 3
@@ -171,9 +144,9 @@ def test_cli_stress_duration_bounds_the_run(tmp_path: Path) -> None:
     cfg = tmp_path / "s.yaml"
     cfg.write_text(yaml.safe_dump(_config([{"name": "cpu", "backend": "cpu", "capacity": "1MiB"}])))
     out = tmp_path / "r.json"
-    _, report = _stress_cli(out, "--config", str(cfg), "--ops", "100000000", "--duration", "1")
+    _, report = stress_cli(out, "--config", str(cfg), "--ops", "100000000", "--duration", "1")
     # The zipf stream never ends, so only the duration can have stopped the run short
-    # of its ops (a run that ignored it would go on past _stress_cli's timeout).
+    # of its ops (a run that ignored it would go on past stress_cli's timeout).
     assert 0 < report["ops"] < 100000000
 
 
@@ -240,7 +213,7 @@ def test_cli_trace_flag_replays_the_trace(tmp_path: Path) -> None:
     raw["stress"] = {**SMALL_STRESS, "pool_blocks": 256}
     cfg.write_text(yaml.safe_dump(raw))
     out = tmp_path / "r.json"
-    _, report = _stress_cli(out, "--config", str(cfg), "--trace", str(TRACE), "--ops", "50")
+    _, report = stress_cli(out, "--config", str(cfg), "--trace", str(TRACE), "--ops", "50")
     assert report["workload"] == "trace"
     assert report["ops"] == 50
     assert report["integrity_errors"] == 0
@@ -354,7 +327,7 @@ def test_cli_preset_concurrency_json_schema_and_plot(tmp_path: Path) -> None:
     cfg.write_text(yaml.safe_dump(raw))
     out, png = tmp_path / "r.json", tmp_path / "r.png"
     args = ["--config", str(cfg), "--ops", "60", "--preset", "tiny", "--concurrency", "3"]
-    proc, report = _stress_cli(out, *args, "--plot", str(png))
+    proc, report = stress_cli(out, *args, "--plot", str(png))
     assert report["schema"] == "kvoffload.stress/2"
     assert report["concurrency"] == 3
     assert report["bytes_per_block"] == 16 * 1024  # the tiny preset
