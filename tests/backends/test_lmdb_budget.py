@@ -317,3 +317,27 @@ def test_the_map_holds_a_full_budget_under_churn(tmp_path: Path, share: float) -
         assert manager.check() == []
     finally:
         be.close()
+
+
+def test_a_slot_released_twice_deletes_its_record_once(tmp_path: Path) -> None:
+    """A discarded block's slot is released twice: when the books remove it, and when
+    its discard has run and the slot is freed (kvoffload/withheld.py). The second
+    release deletes nothing more, and a block written into the slot afterwards keeps
+    its record and reads back exactly."""
+    be = _zstd(tmp_path, full=4)
+    keys = make_keys(4, salt=9)
+    slots = be.allocate(3)
+    assert slots is not None
+    assert be.write(slots, keys[:3], torch.stack([_content(k) for k in keys[:3]])) is not None
+    assert be.entries() == 3
+    be.released(slots[:1])
+    be.released(slots[:1])  # again: nothing more to delete
+    assert be.entries() == 2
+    assert be.write(slots[:1], keys[3:], _content(keys[3]).unsqueeze(0)) is not None
+    assert be.entries() == 3
+    want = [keys[3], *keys[1:3]]
+    out = torch.empty(3, LAYOUT.bytes_per_block, dtype=torch.uint8)
+    assert be.read(slots, want, out) == [True] * 3
+    assert torch.equal(out, torch.stack([_content(k) for k in want]))
+    assert be.check() == []
+    be.close()

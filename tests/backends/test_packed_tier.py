@@ -318,3 +318,31 @@ def test_a_reopen_over_the_budget_keeps_the_most_recent_blocks(tmp_path: Path) -
     assert manager.check() == []
     assert again.check() == []
     again.close()
+
+
+def test_a_slot_released_twice_gives_its_extent_back_once(tmp_path: Path) -> None:
+    """A discarded block's slot is released twice: when the books remove it, and when
+    its discard has run and the slot is freed (kvoffload/withheld.py). The second
+    release finds no extent and changes nothing: the pages freed once are not freed
+    again, and a block written into the slot afterwards reads back exactly."""
+    be = _packed(tmp_path)
+    keys = make_keys(3, salt=11)
+    slots = be.allocate(3)
+    assert slots is not None
+    assert be.write(slots, keys, _rows(keys)) == [3 * ALIGN] * 3
+    space = be.space
+    assert space is not None
+    used = space.used_pages
+    be.released(slots[:1])
+    assert space.used_pages == used - 3
+    assert space.extent(slots[0]) is None
+    be.released(slots[:1])  # again: a no-op
+    assert space.used_pages == used - 3
+    assert space.check() == []
+    new = make_keys(1, salt=12)
+    assert be.write(slots[:1], new, _rows(new)) == [3 * ALIGN]
+    out = torch.empty_like(_rows(keys))
+    assert be.read(slots, new + keys[1:], out) == [True] * 3
+    assert torch.equal(out, _rows(new + keys[1:]))
+    assert be.check() == []
+    be.close()
