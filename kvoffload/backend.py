@@ -232,20 +232,23 @@ class Backend(ABC):
         the manager and need not answer."""
         raise NotImplementedError(f"{type(self).__name__} keeps no books of its own")
 
-    def stats(self) -> BackendStats:
+    def stats(self, *, held: bool = True) -> BackendStats:
         """Everything the backend counts itself, in one snapshot (:class:`BackendStats`).
         Read whenever the tier's stats are (every stats poll) and by the tools' reports,
         so it must be a few attribute reads: no I/O, no lock held for long. A backend
         that counts overrides it; the default says what :meth:`count_stored` counted
-        (nothing, for a backend that never calls it).
+        (nothing, for a backend that never calls it). ``held=False``: leave
+        :attr:`BackendStats.held` out (``None``), for the Offloader's mirror at every
+        stats poll, which reads only the counters: a backend's count of the bytes it
+        holds may scan its tables.
 
         Deprecated, kept for backends written before this method: their
         ``io_counters()``, ``codec_stats()`` and ``footprint()`` are still read here,
         in those fields' place."""
         counters: dict[str, int] = self.stored_counters() if self._packed[0] else {}
         legacy = [getattr(self, n, None) for n in ("io_counters", "codec_stats", "footprint")]
-        io, codec, held = (hook() if callable(hook) else None for hook in legacy)
-        return BackendStats({**counters, **(io or {})}, codec, held)
+        io, codec, footprint = (hook() if callable(hook) else None for hook in legacy)
+        return BackendStats({**counters, **(io or {})}, codec, footprint if held else None)
 
     def check(self) -> list[str]:
         """Consistency problems found (empty when consistent)."""

@@ -357,7 +357,8 @@ class Offloader:
         """Each backend's own counters and capacity, read outside the books' lock (the
         caller holds ``_pull_lock``, so two readers never mirror them out of order)."""
         backends = [t.backend for t in self.tiers]
-        return [b.stats().counters for b in backends], [b.capacity_bytes for b in backends]
+        counters = [b.stats(held=False).counters for b in backends]
+        return counters, [b.capacity_bytes for b in backends]
 
     def take_events(self) -> list[tuple[Tier, OffloadingEvent]]:
         """Every tier's stored / removed records since the previous call, each with its

@@ -313,12 +313,12 @@ class LmdbBackend(Backend):
         self.count_stored(len(stored) * self.layout.bytes_per_block, sum(stored))
         return [HEADER_BYTES + n for n in stored] if self._compressed() else None
 
-    def stats(self) -> BackendStats:
+    def stats(self, *, held: bool = True) -> BackendStats:
         """The stored bytes, the codec's figures, and the logical and stored payload
         bytes of the records this process maps (a freed slot's record stays in the map,
         intact, until the slot is reused)."""
-        held = self._records.footprint(self.layout.bytes_per_block)
-        return BackendStats(self.stored_counters(), self.packer.stats(), held)
+        footprint = self._records.footprint(self.layout.bytes_per_block) if held else None
+        return BackendStats(self.stored_counters(), self.packer.stats(), footprint)
 
     def read(self, slots: Sequence[int], keys: Sequence[BlockKey], dst: torch.Tensor) -> list[bool]:
         self.check_batch(slots, keys, dst)

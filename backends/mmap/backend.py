@@ -347,18 +347,20 @@ class MmapBackend(PackedSlab):
     def discard(self, slots: Sequence[int]) -> None:
         self._clear_headers(list(slots))
 
-    def stats(self) -> BackendStats:
+    def stats(self, *, held: bool = True) -> BackendStats:
         """The stored bytes, the codec's figures, and the logical and stored payload
         bytes of the blocks the header tables describe (a compressed block's slot holds
         its stored bytes and an unused tail)."""
+        if not held:  # the header tables' scan only for whoever asks what is held
+            return BackendStats(self.stored_counters(), self.packer.stats())
         count = stored = 0
         with self._lock:
             for f in self.files:
                 used = f.headers[f.headers["magic"] == MAGIC]
                 count += len(used)
                 stored += int(stored_lengths(used).sum())
-        held = count * self.payload_bytes, stored
-        return BackendStats(self.stored_counters(), self.packer.stats(), held)
+        footprint = count * self.payload_bytes, stored
+        return BackendStats(self.stored_counters(), self.packer.stats(), footprint)
 
     def check(self) -> list[str]:
         problems = super().check()

@@ -143,7 +143,7 @@ class RedisBackend(Backend):
         """Batches that raised :class:`BackendError` (server or connection errors)."""
         return self._link.failed_batches
 
-    def stats(self) -> BackendStats:
+    def stats(self, *, held: bool = True) -> BackendStats:
         """The tier's ``round_trips`` (:attr:`round_trips`) and ``server_errors``
         (:attr:`failed_batches`) with the stored bytes, the codec's figures, and what
         this client wrote into the slots it holds (the server may have evicted some
@@ -153,9 +153,11 @@ class RedisBackend(Backend):
             "server_errors": self.failed_batches,
             **self.stored_counters(),
         }
+        if not held:
+            return BackendStats(counters, self.packer.stats())
         with self._lock:
-            held = self._stored[self._stored > 0]
-            footprint = len(held) * self.layout.bytes_per_block, int(held.sum())
+            used = self._stored[self._stored > 0]
+            footprint = len(used) * self.layout.bytes_per_block, int(used.sum())
         return BackendStats(counters, self.packer.stats(), footprint)
 
     def redis_key(self, key: bytes) -> bytes:

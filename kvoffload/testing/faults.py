@@ -136,8 +136,8 @@ class FaultyBackend(Backend):
     def check(self) -> list[str]:
         return self.inner.check()
 
-    def stats(self) -> BackendStats:
-        return self.inner.stats()
+    def stats(self, *, held: bool = True) -> BackendStats:
+        return self.inner.stats(held=held)
 
     def close(self) -> None:
         self.inner.close()

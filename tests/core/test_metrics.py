@@ -101,7 +101,7 @@ def test_backend_counted_metrics_reach_the_stats_from_its_stats(
     with offloader.Offloader(config, layout) as off:
         assert off.counters()[0]["cpu"]["round_trips"] == 0  # a local medium: none
         io = {"round_trips": 7, "server_errors": 2, "hits": 99, "bogus": 1}
-        monkeypatch.setattr(off.tiers[0].backend, "stats", lambda: BackendStats(dict(io)))
+        monkeypatch.setattr(off.tiers[0].backend, "stats", lambda **_: BackendStats(dict(io)))
         tiers, _ = off.counters()
         assert (tiers["cpu"]["round_trips"], tiers["cpu"]["server_errors"]) == (7, 2)
         assert tiers["cpu"]["hits"] == 0  # the books' counters are the books'

@@ -304,9 +304,11 @@ def test_no_backend_call_runs_under_the_books_lock(tmp_path: Path, pool: BlockPo
             for name in ("read", "write", "discard", "stats"):
                 real = getattr(tier.backend, name)
 
-                def checked(*args: Any, _real: Any = real, _call: Any = (tier.name, name)) -> Any:
+                def checked(
+                    *args: Any, _real: Any = real, _call: Any = (tier.name, name), **kw: Any
+                ) -> Any:
                     calls.append((*_call, off._books.lock.locked()))
-                    return _real(*args)
+                    return _real(*args, **kw)
 
                 setattr(tier.backend, name, checked)
         keys = make_keys(16)
